@@ -1,0 +1,50 @@
+# pagedlearn's commands. A newcomer needs two: `make demo` and `make test`.
+# Each one creates .venv (with pip) and installs the project into it the first time.
+
+PYTHON ?= python3
+VENV ?= .venv
+# torch goes in first, at a version we test. pip takes the build that fits the machine: the CUDA
+# build from PyPI on Linux x86-64, or a local CPU wheel where one is provided. Choose another build
+# with e.g. `make TORCH_SPEC="torch==2.13.0 --index-url <the index from pytorch.org>"`.
+TORCH_SPEC ?= torch==2.13.0
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install demo test test-all lint format check-env bench lab clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet $(TORCH_SPEC)
+	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	@touch $(STAMP)
+
+demo: $(STAMP)  ## the main job: the memory manager serving a few sequences
+	$(BIN)/python -m pagedlearn demo
+
+test: lint  ## the whole suite, as CI runs it (.ci/run calls this)
+	$(BIN)/python -m pytest
+
+test-all: lint  ## also the slow and GPU tiers
+	$(BIN)/python -m pytest -m ""
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: $(STAMP)
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+check-env: $(STAMP)
+	$(BIN)/python -m pagedlearn check-env
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/bench_block_manager.py
+
+lab: $(STAMP)
+	$(BIN)/jupyter lab notebooks/
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis *.egg-info
