@@ -1,0 +1,65 @@
+"""One sequence's block table: its logical blocks, in order, mapped to physical block ids.
+
+A sequence sees its KV cache as contiguous: token ``i`` lives in *logical* block
+``i // block_size`` at offset ``i % block_size``. The block table says which *physical* block holds
+each logical block, so the physical blocks can sit anywhere in the pool -- no reservation of a
+maximum length, no external fragmentation, at most one partly filled block per sequence.
+
+The *slot* of token ``i`` is its row in the flattened KV slab ``(num_blocks * block_size, ...)``::
+
+    slot(i) = block_ids[i // block_size] * block_size + i % block_size
+
+Example (the paper's Figure 6 spirit): block_size 4, block_ids [7, 2, 11], 10 tokens. Token 5 is in
+logical block 1 -> physical block 2, offset 1 -> slot 9. Token 9 sits in block 11 at offset 1,
+slot 45; slots 46 and 47 of block 11 are still empty.
+
+The table also remembers the token ids (the prefix cache hashes full blocks of them) and, when
+prefix caching is on, the hash of each full block so far (each hash chains on the previous one).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class BlockTable:
+    """Logical -> physical map of one sequence, with its token ids."""
+
+    block_size: int
+    block_ids: list[int] = field(default_factory=list)  # physical id of logical block j
+    token_ids: list[int] = field(default_factory=list)  # tokens whose KV is in those blocks
+    block_hashes: list[bytes] = field(default_factory=list)  # hash of full block j (caching on)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_full_blocks(self) -> int:
+        return self.num_tokens // self.block_size
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        """Blocks that ``num_tokens`` tokens occupy: ceil(num_tokens / block_size)."""
+        return -(-num_tokens // self.block_size)
+
+    def slot(self, i: int) -> int:
+        """Row of the KV slab holding token position ``i``."""
+        if not 0 <= i < self.num_tokens:
+            raise IndexError(f"token position {i} out of range for {self.num_tokens} tokens")
+        return self.block_ids[i // self.block_size] * self.block_size + i % self.block_size
+
+    def slot_mapping(self) -> list[int]:
+        """One slot per token position, 0 .. num_tokens-1 (what the KV write kernel consumes)."""
+        bs = self.block_size
+        return [self.block_ids[i // bs] * bs + i % bs for i in range(self.num_tokens)]
+
+    def block_tokens(self, j: int) -> list[int]:
+        """Token ids stored in logical block ``j``."""
+        return self.token_ids[j * self.block_size : (j + 1) * self.block_size]
+
+    def copy(self) -> BlockTable:
+        """An independent table pointing at the same physical blocks (used by fork)."""
+        return BlockTable(
+            self.block_size, list(self.block_ids), list(self.token_ids), list(self.block_hashes)
+        )
