@@ -1,0 +1,88 @@
+"""The rules a paged KV cache must keep at every moment, checked one by one.
+
+``KVCacheManager.check_invariants()`` calls :func:`check_invariants`; the tests call it after every
+random operation, and a lab can call it after every step to see that nothing leaked. It costs
+O(num_blocks + tokens), so it is for tests, debugging and teaching, not for each step of a server.
+
+1. Every block's refcount equals the number of block-table entries pointing at it.
+2. A block is in the free queue exactly when its refcount is 0 -- never both free and in a table,
+   never twice in the queue -- and used + free == num_blocks.
+3. Every table has exactly ceil(tokens / block_size) blocks, all distinct.
+4. (Prefix caching) every hash maps to a block holding exactly those tokens, after exactly that
+   prefix, for the same model / adapter / salt, and the allocator's cached flags match the cache.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import TYPE_CHECKING
+
+from pagedlearn.errors import PagedLearnError
+from pagedlearn.prefix_cache import parent_hash
+
+if TYPE_CHECKING:
+    from pagedlearn.kv_cache_manager import KVCacheManager
+
+
+def _fail(msg: str) -> None:
+    raise PagedLearnError(f"invariant violated: {msg}")
+
+
+def check_invariants(kv: KVCacheManager) -> None:
+    """Raise :class:`PagedLearnError` naming the first broken invariant of ``kv``'s pool."""
+    a = kv.allocator
+    tables = kv._tables  # this module is the manager's own checker: it reads its state directly
+    refs = Counter(b for t in tables.values() for b in t.block_ids)
+    free = a.free_queue()
+    free_set = set(free)
+
+    # 1 and 2: refcounts and the free queue
+    if len(free) != len(free_set):
+        _fail("a block appears twice in the free queue")
+    used = sum(1 for b in range(a.num_blocks) if a.refcount(b) > 0)
+    if used + len(free) != a.num_blocks:
+        _fail(f"used ({used}) + free ({len(free)}) != num_blocks ({a.num_blocks})")
+    for b in range(a.num_blocks):
+        if a.refcount(b) != refs[b]:
+            _fail(f"block {b} has refcount {a.refcount(b)} but {refs[b]} table references")
+        if (a.refcount(b) == 0) != (b in free_set):
+            _fail(f"block {b} has refcount {a.refcount(b)} but free={b in free_set}")
+        if refs[b] and b in free_set:
+            _fail(f"block {b} is both free and in a block table")
+
+    # 3: each table's shape
+    for seq_id, t in tables.items():
+        if len(t.block_ids) != t.blocks_needed(t.num_tokens):
+            _fail(f"{seq_id!r} has {len(t.block_ids)} blocks for {t.num_tokens} tokens")
+        if len(set(t.block_ids)) != len(t.block_ids):
+            _fail(f"{seq_id!r} points at the same block twice")
+
+    # 4: the prefix cache says the truth about every block it indexes
+    if kv.prefix_cache is None:
+        return
+    users: dict[int, list[tuple[object, int]]] = {}  # block -> [(seq_id, logical index)]
+    for seq_id, t in tables.items():
+        for j, b in enumerate(t.block_ids):
+            users.setdefault(b, []).append((seq_id, j))
+    indexed = set()
+    for block_hash, entry in kv.prefix_cache.items():
+        b = entry.block_id
+        indexed.add(b)
+        if len(entry.token_ids) != kv.block_size:
+            _fail(f"cached block {b} holds {len(entry.token_ids)} tokens, not a full block")
+        rehash = kv.prefix_cache.hash_block(entry.parent_hash, entry.token_ids, entry.extra_keys)
+        if rehash != block_hash:
+            _fail(f"cached block {b} is stored under a hash of other content")
+        for seq_id, j in users.get(b, []):
+            t = tables[seq_id]
+            if (
+                t.block_tokens(j) != list(entry.token_ids)
+                or parent_hash(t.block_hashes, j) != entry.parent_hash
+                or kv._extra_keys[seq_id] != entry.extra_keys
+            ):
+                _fail(
+                    f"cached block {b} is used by {seq_id!r} at logical block {j} "
+                    "with other tokens or another prefix"
+                )
+    if indexed != {b for b in range(a.num_blocks) if a.is_cached(b)}:
+        _fail("the allocator's cached blocks differ from the prefix cache's")

@@ -1,0 +1,294 @@
+"""The KV-cache manager: block tables, sharing, copy-on-write and prefix caching, in one place.
+
+This is what a serving engine's scheduler talks to (vLLM calls its version the block manager or
+KV cache manager). It owns
+
+- a :class:`BlockAllocator` (which physical blocks are free, refcounts),
+- one :class:`BlockTable` per sequence (logical -> physical blocks, tokens, slots),
+- a :class:`PrefixCache` when ``enable_prefix_caching`` (hash -> block for full blocks),
+- a :class:`Trace` that announces every block operation (see trace.py).
+
+It never touches a tensor. It answers "where does token i's K/V go?" (``append_token`` returns a
+slot; ``slot_mapping`` gives all of them) and "which blocks must be copied before the next kernel
+runs?" (``pop_copies``); the engine applies those to the KV tensors.
+
+Rules worth knowing:
+
+- Blocks are allocated on demand, one per ``block_size`` tokens; at most the last block of a
+  sequence is partly empty.
+- ``fork`` shares every block (refcount +1). The first write into a *shared, partly filled* last
+  block copies it first (copy-on-write): a fresh block, a pending ``(src, dst)`` copy, one reference
+  less on ``src``. The sibling that writes next owns ``src`` alone and copies nothing.
+- With prefix caching, a prompt reuses cached full blocks from the start of the prompt, but never
+  all of it: at least one token must be computed to get logits, so (as in vLLM and nano-vllm) the
+  reused prefix is capped at ``len(prompt) - 1`` tokens, rounded down to whole blocks.
+- Any operation that raises leaves every table, refcount and cache entry as it was.
+
+Room for swapping (issue "engine"): a second ``BlockAllocator`` over a CPU pool, with ``swap_out``
+/ ``swap_in`` moving a sequence's table between the two and reporting the block copies.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Hashable, Iterable
+from typing import Any
+
+from pagedlearn.block_allocator import BlockAllocator
+from pagedlearn.block_table import BlockTable
+from pagedlearn.errors import OutOfBlocksError, PagedLearnError
+from pagedlearn.invariants import check_invariants
+from pagedlearn.prefix_cache import PrefixCache, make_extra_keys, parent_hash
+from pagedlearn.trace import EventLog, Trace
+
+
+class KVCacheManager:
+    """Paged KV-cache bookkeeping for many sequences sharing one pool of ``num_blocks`` blocks.
+
+    >>> kv = KVCacheManager(num_blocks=8, block_size=4)
+    >>> kv.add_sequence("a", [1, 2, 3, 4, 5])      # 5 tokens -> 2 blocks; returns reused tokens
+    0
+    >>> kv.block_table("a"), kv.slot_mapping("a")
+    ([0, 1], [0, 1, 2, 3, 4])
+    >>> kv.fork("a", "b"); kv.append_token("b", 9)  # b writes into the shared block 1: CoW
+    9
+    >>> kv.pop_copies()                               # the engine copies block 1 -> block 2
+    [(1, 2)]
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = False,
+        model_id: Hashable = None,
+    ) -> None:
+        if not isinstance(block_size, int) or block_size < 1:
+            raise PagedLearnError(f"block_size must be a positive int, got {block_size!r}")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.model_id = model_id  # part of every block hash: no sharing across models
+        self.trace = Trace()
+        self.allocator = BlockAllocator(num_blocks, on_evict=self._on_evict)
+        self.prefix_cache = PrefixCache() if enable_prefix_caching else None
+        self._tables: dict[Hashable, BlockTable] = {}
+        self._extra_keys: dict[Hashable, tuple] = {}  # per sequence: model, adapter, salt
+        self._copies: list[tuple[int, int]] = []  # pending copy-on-write (src, dst)
+        self._counters = {
+            "prefix_query_tokens": 0,
+            "prefix_hit_tokens": 0,
+            "cow_copies": 0,
+            "allocation_failures": 0,
+        }
+
+    # --- the sequence lifecycle ----------------------------------------------------------------
+    def add_sequence(
+        self,
+        seq_id: Hashable,
+        token_ids: Iterable[int],
+        cache_salt: Hashable = None,
+        adapter_id: Hashable = None,
+    ) -> int:
+        """Give a new sequence blocks for its prompt; returns how many prompt tokens reuse cached
+        KV (their prefill can be skipped). Raises :class:`OutOfBlocksError`, changing nothing,
+        when the pool cannot hold the prompt."""
+        self._check_new_id(seq_id)
+        tokens = _check_tokens(token_ids)
+        bs = self.block_size
+        table = BlockTable(bs, token_ids=tokens)
+        extra = make_extra_keys(self.model_id, adapter_id, cache_salt)
+
+        hits: list[int] = []
+        if self.prefix_cache is not None:
+            for j in range(len(tokens) // bs):  # hash every full block, each chained on the last
+                table.block_hashes.append(self._hash_block(table, j, extra))
+            for j in range((len(tokens) - 1) // bs):  # cap: keep >= 1 token to compute
+                parent = parent_hash(table.block_hashes, j)
+                block = self.prefix_cache.lookup(
+                    table.block_hashes[j], parent, table.block_tokens(j), extra
+                )
+                if block is None:
+                    break
+                hits.append(block)
+
+        # Hits that sit in the free queue are taken out of it, so they count against free space.
+        revived = sum(1 for b in hits if self.allocator.refcount(b) == 0)
+        num_new = table.blocks_needed(len(tokens)) - len(hits)
+        if num_new + revived > self.allocator.num_free_blocks:
+            self._counters["allocation_failures"] += 1
+            raise OutOfBlocksError(
+                num_new + revived,
+                self.allocator.num_free_blocks,
+                self.allocator.num_blocks,
+                what=f"add_sequence({seq_id!r}) with {len(tokens)} tokens",
+            )
+        # Nothing below can fail. Incref the hits first so that allocate cannot evict them.
+        if hits:
+            self.allocator.incref(hits)
+            self.trace.emit("cache_hit", hits, (seq_id,))
+        new = self.allocator.allocate(num_new)
+        self.trace.emit("allocate", new, (seq_id,))
+        table.block_ids = hits + new
+        self._tables[seq_id] = table
+        self._extra_keys[seq_id] = extra
+        if self.prefix_cache is not None:
+            # Register the prompt's full blocks now: the prefill that follows writes their KV,
+            # and a request with the same prefix arriving next step can already share them.
+            for j in range(len(hits), len(table.block_hashes)):
+                self._register(seq_id, table, j)
+            self._counters["prefix_query_tokens"] += len(tokens)
+            self._counters["prefix_hit_tokens"] += len(hits) * bs
+        return len(hits) * bs
+
+    def append_token(self, seq_id: Hashable, token_id: int) -> int:
+        """Add one generated token; returns the slot where its K/V must be written.
+
+        Allocates a block on a block boundary; copies on write if the last block is shared.
+        """
+        table = self._table(seq_id)
+        (token,) = _check_tokens([token_id])
+        pos = table.num_tokens
+        if pos % self.block_size == 0:  # the last block is full (or there is none): a new one
+            (block,) = self._allocate_one(f"append_token({seq_id!r}) at position {pos}")
+            table.block_ids.append(block)
+            self.trace.emit("allocate", (block,), (seq_id,))
+        elif self.allocator.refcount(src := table.block_ids[-1]) > 1:  # shared partial block
+            (dst,) = self._allocate_one(f"copy-on-write for {seq_id!r}")
+            self.allocator.free([src])  # one sharer fewer; the others keep src untouched
+            table.block_ids[-1] = dst
+            self._copies.append((src, dst))
+            self._counters["cow_copies"] += 1
+            self.trace.emit("cow_copy", (src, dst), (seq_id,))
+        table.token_ids.append(token)
+        if self.prefix_cache is not None and table.num_tokens % self.block_size == 0:
+            j = table.num_full_blocks - 1  # the block just filled up: hash it and register it
+            table.block_hashes.append(self._hash_block(table, j, self._extra_keys[seq_id]))
+            self._register(seq_id, table, j)
+        return table.slot(pos)
+
+    def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
+        """Make ``child_id`` a copy of ``parent_id`` that shares all its blocks (no KV copied)."""
+        parent = self._table(parent_id)
+        self._check_new_id(child_id)
+        self.allocator.incref(parent.block_ids)
+        self._tables[child_id] = parent.copy()
+        self._extra_keys[child_id] = self._extra_keys[parent_id]
+        self.trace.emit("incref", parent.block_ids, (parent_id, child_id))
+
+    def free_sequence(self, seq_id: Hashable) -> None:
+        """Return a finished sequence's blocks. Cached blocks stay findable until evicted."""
+        table = self._table(seq_id)
+        # Tail first: the tail of a sequence is the least likely to be shared, so it should be
+        # the first evicted -- freeing it first puts it nearer the front of the LRU queue.
+        blocks = table.block_ids[::-1]
+        self.allocator.free(blocks)
+        del self._tables[seq_id], self._extra_keys[seq_id]
+        self.trace.emit("free", blocks, (seq_id,))
+
+    def pop_copies(self) -> list[tuple[int, int]]:
+        """Pending copy-on-write copies ``(src, dst)``; apply them to the KV tensors before the
+        next attention call. Cleared on read."""
+        copies, self._copies = self._copies, []
+        return copies
+
+    # --- queries -------------------------------------------------------------------------------
+    def block_table(self, seq_id: Hashable) -> list[int]:
+        return list(self._table(seq_id).block_ids)
+
+    def slot_mapping(self, seq_id: Hashable) -> list[int]:
+        return self._table(seq_id).slot_mapping()
+
+    def token_ids(self, seq_id: Hashable) -> list[int]:
+        return list(self._table(seq_id).token_ids)
+
+    def sequences(self) -> list[Hashable]:
+        return list(self._tables)
+
+    def __contains__(self, seq_id: Hashable) -> bool:
+        return seq_id in self._tables
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.allocator.num_free_blocks
+
+    def stats(self) -> dict[str, Any]:
+        """Pool usage and counters, the numbers vLLM operators watch."""
+        a = self.allocator
+        refcounts = [a.refcount(b) for b in range(a.num_blocks)]
+        return {
+            "num_blocks": a.num_blocks,
+            "block_size": self.block_size,
+            "num_seqs": len(self._tables),
+            "used_blocks": a.num_blocks - a.num_free_blocks,
+            "free_blocks": a.num_free_blocks,
+            "cached_blocks": a.num_cached_free_blocks,  # free, but holding a reusable prefix
+            "shared_blocks": sum(1 for c in refcounts if c > 1),
+            **self._counters,
+            "evictions": a.num_evictions,
+        }
+
+    def record(self) -> EventLog:
+        """Start recording every block event (for replay, JSON export, pictures)."""
+        return EventLog(
+            self.trace,
+            meta={"num_blocks": self.allocator.num_blocks, "block_size": self.block_size},
+        )
+
+    def check_invariants(self) -> None:
+        """Raise :class:`PagedLearnError` naming the first broken invariant (see invariants.py)."""
+        check_invariants(self)
+
+    # --- internals -----------------------------------------------------------------------------
+    def _table(self, seq_id: Hashable) -> BlockTable:
+        try:
+            return self._tables[seq_id]
+        except (KeyError, TypeError):
+            raise PagedLearnError(f"unknown sequence id {seq_id!r}") from None
+
+    def _check_new_id(self, seq_id: Hashable) -> None:
+        try:
+            exists = seq_id in self._tables
+        except TypeError:
+            raise PagedLearnError(f"sequence id {seq_id!r} is not hashable") from None
+        if exists:
+            raise PagedLearnError(f"sequence id {seq_id!r} already exists")
+
+    def _allocate_one(self, what: str) -> list[int]:
+        try:
+            return self.allocator.allocate(1)
+        except OutOfBlocksError as e:
+            self._counters["allocation_failures"] += 1
+            raise OutOfBlocksError(e.needed, e.free, e.total, what=what) from None
+
+    def _hash_block(self, table: BlockTable, j: int, extra: tuple) -> bytes:
+        parent = parent_hash(table.block_hashes, j)
+        return self.prefix_cache.hash_block(parent, table.block_tokens(j), extra)
+
+    def _register(self, seq_id: Hashable, table: BlockTable, j: int) -> None:
+        block, block_hash = table.block_ids[j], table.block_hashes[j]
+        if self.prefix_cache.insert(
+            block_hash,
+            block,
+            parent_hash(table.block_hashes, j),
+            table.block_tokens(j),
+            self._extra_keys[seq_id],
+        ):
+            self.allocator.mark_cached(block)
+            self.trace.emit("cache_store", (block,), (seq_id,), hash=block_hash.hex())
+
+    def _on_evict(self, block_id: int) -> None:
+        # Called by the allocator when it hands out a free cached block for new data.
+        block_hash = self.prefix_cache.evict(block_id) if self.prefix_cache else None
+        self.trace.emit("evict", (block_id,), hash=block_hash.hex() if block_hash else None)
+
+
+def _check_tokens(token_ids: Iterable[int]) -> list[int]:
+    try:
+        tokens = [operator.index(t) for t in token_ids]
+    except TypeError:
+        raise PagedLearnError(f"token ids must be ints, got {token_ids!r}") from None
+    if not tokens:
+        raise PagedLearnError("a sequence needs at least one token")
+    if any(t < 0 for t in tokens):
+        raise PagedLearnError(f"token ids must be >= 0, got {token_ids!r}")
+    return tokens

@@ -1,0 +1,177 @@
+"""The event trace: every block operation, as a small record anyone can subscribe to.
+
+The memory manager announces each thing it does to the physical pool -- a block allocated, shared,
+copied on write, freed, cached, evicted -- as an :class:`Event`. The live view and the replay view
+draw from these events, and the paper simulations count them, so the list is complete: replaying
+the events from an empty pool rebuilds the pool exactly (:class:`PoolReplay`, checked by the tests
+after every random operation).
+
+Event kinds (``blocks`` are physical block ids, ``seqs`` sequence ids):
+
+==============  ====================  =========  =================================================
+kind            blocks                seqs       what happened
+==============  ====================  =========  =================================================
+``allocate``    new blocks            (s,)       free blocks got refcount 1, appended to s's table
+``cache_hit``   cached blocks         (s,)       s reuses cached blocks (refcount +1), appended
+``incref``      parent's blocks       (p, c)     fork: child c shares all of p's blocks
+``cow_copy``    (src, dst)            (s,)       copy-on-write: s's last block src -> fresh dst
+``free``        s's blocks            (s,)       s finished: refcount -1 each, its table is gone
+``cache_store`` (b,)                  (s,)       s's full block b registered: ``info["hash"]``
+``evict``       (b,)                  ()         cached block b reused for new data; hash dropped
+==============  ====================  =========  =================================================
+
+The engine adds ``swap_out``, ``swap_in`` and ``preempt`` later. When nobody subscribes, ``emit``
+is a single ``if``: the manager pays nothing for the trace it is not asked for.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Hashable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Event:
+    """One block operation. ``index`` is its position in the trace (0, 1, 2, ...)."""
+
+    index: int
+    kind: str
+    blocks: tuple[int, ...]
+    seqs: tuple[Hashable, ...] = ()
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        # Sequence ids may be any hashable; JSON keeps ints and strings and spells the rest.
+        seqs = [s if isinstance(s, (int, str)) else repr(s) for s in self.seqs]
+        return {
+            "index": self.index,
+            "kind": self.kind,
+            "blocks": list(self.blocks),
+            "seqs": seqs,
+            "info": self.info,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Event:
+        return cls(d["index"], d["kind"], tuple(d["blocks"]), tuple(d["seqs"]), d.get("info", {}))
+
+
+Subscriber = Callable[[Event], None]
+
+
+class Trace:
+    """Fan-out of block events to subscribers (the live view, an :class:`EventLog`, a test)."""
+
+    def __init__(self) -> None:
+        self._subscribers: list[Subscriber] = []
+        self._next_index = 0
+
+    @property
+    def listening(self) -> bool:
+        return bool(self._subscribers)
+
+    def subscribe(self, fn: Subscriber) -> Callable[[], None]:
+        """Call ``fn(event)`` for every future event; returns a function that unsubscribes."""
+        self._subscribers.append(fn)
+        return lambda: self._subscribers.remove(fn) if fn in self._subscribers else None
+
+    def emit(self, kind: str, blocks: Iterable[int], seqs: Iterable[Hashable] = (), **info) -> None:
+        if not self._subscribers:  # the common case in a benchmark: no record is even built
+            return
+        event = Event(self._next_index, kind, tuple(blocks), tuple(seqs), info)
+        self._next_index += 1
+        for fn in tuple(self._subscribers):
+            fn(event)
+
+
+class EventLog:
+    """Keeps every event of a trace, with the pool's shape in ``meta``; saves and loads JSON::
+
+    log = manager.record()               # an EventLog subscribed to the manager's trace
+    text = log.to_json()                 # hand a recorded run to a lab
+    EventLog.from_json(text).replay().tables
+    """
+
+    def __init__(self, trace: Trace | None = None, meta: dict[str, Any] | None = None) -> None:
+        self.events: list[Event] = []
+        self.meta = dict(meta or {})
+        self._unsubscribe = trace.subscribe(self.events.append) if trace is not None else None
+
+    def close(self) -> None:
+        """Stop recording (the events so far stay)."""
+        if self._unsubscribe is not None:
+            self._unsubscribe()
+            self._unsubscribe = None
+
+    def __len__(self) -> int:
+        return len(self.events)
+
+    def to_json(self, indent: int | None = None) -> str:
+        return json.dumps(
+            {"meta": self.meta, "events": [e.to_dict() for e in self.events]}, indent=indent
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> EventLog:
+        data = json.loads(text)
+        log = cls(meta=data.get("meta", {}))
+        log.events = [Event.from_dict(d) for d in data["events"]]
+        return log
+
+    def replay(self, upto: int | None = None) -> PoolReplay:
+        """The pool as it stood after the first ``upto`` events (all of them by default)."""
+        if "num_blocks" not in self.meta:
+            raise ValueError("this log has no meta['num_blocks']; record it with manager.record()")
+        return PoolReplay.from_events(self.meta["num_blocks"], self.events[:upto])
+
+
+class PoolReplay:
+    """The pool rebuilt from events alone: refcounts, block tables and cached hashes.
+
+    It knows nothing of the manager's code; if the trace missed an operation, this state would
+    drift from the real one, which is what the tests check.
+    """
+
+    def __init__(self, num_blocks: int) -> None:
+        self.refcounts = [0] * num_blocks
+        self.tables: dict[Hashable, list[int]] = {}
+        self.cached: dict[int, str] = {}  # block id -> hash (hex) of the KV it holds
+
+    @classmethod
+    def from_events(cls, num_blocks: int, events: Iterable[Event]) -> PoolReplay:
+        state = cls(num_blocks)
+        for event in events:
+            state.apply(event)
+        return state
+
+    def apply(self, e: Event) -> None:
+        rc = self.refcounts
+        if e.kind in ("allocate", "cache_hit"):
+            for b in e.blocks:
+                rc[b] += 1
+            self.tables.setdefault(e.seqs[0], []).extend(e.blocks)
+        elif e.kind == "incref":
+            for b in e.blocks:
+                rc[b] += 1
+            self.tables[e.seqs[1]] = list(e.blocks)
+        elif e.kind == "cow_copy":
+            src, dst = e.blocks
+            rc[src] -= 1
+            rc[dst] += 1
+            self.tables[e.seqs[0]][-1] = dst
+        elif e.kind == "free":
+            for b in e.blocks:
+                rc[b] -= 1
+            del self.tables[e.seqs[0]]
+        elif e.kind == "cache_store":
+            self.cached[e.blocks[0]] = e.info["hash"]
+        elif e.kind == "evict":
+            del self.cached[e.blocks[0]]
+        else:  # a kind this replay does not know would silently drift: say so instead
+            raise ValueError(f"PoolReplay cannot apply event kind {e.kind!r}")
+
+    @property
+    def free_blocks(self) -> list[int]:
+        return [b for b, c in enumerate(self.refcounts) if c == 0]

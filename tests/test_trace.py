@@ -1,0 +1,74 @@
+import pytest
+
+from pagedlearn import KVCacheManager
+from pagedlearn.trace import Event, EventLog, PoolReplay, Trace
+
+
+def replay_matches(kv: KVCacheManager, state: PoolReplay) -> bool:
+    a = kv.allocator
+    cached = {b: kv.prefix_cache.hash_of(b).hex() for b in range(a.num_blocks) if a.is_cached(b)}
+    return (
+        state.refcounts == [a.refcount(b) for b in range(a.num_blocks)]
+        and state.tables == {s: kv.block_table(s) for s in kv.sequences()}
+        and state.cached == cached
+    )
+
+
+def test_nothing_is_built_when_nobody_listens(monkeypatch):
+    trace = Trace()
+    monkeypatch.setattr("pagedlearn.trace.Event", None)  # building one would raise
+    trace.emit("allocate", [1], ["a"])
+    assert not trace.listening
+
+
+def test_subscribe_and_unsubscribe():
+    trace, seen = Trace(), []
+    stop = trace.subscribe(seen.append)
+    trace.emit("allocate", [3], ["a"])
+    stop()
+    trace.emit("free", [3], ["a"])
+    assert seen == [Event(0, "allocate", (3,), ("a",), {})]
+
+
+def test_every_operation_is_in_the_trace_and_replay_rebuilds_the_pool():
+    kv = KVCacheManager(6, 2, enable_prefix_caching=True)
+    log = kv.record()
+    states = []
+    ops = [
+        lambda: kv.add_sequence("a", [1, 2, 3]),
+        lambda: kv.add_sequence("b", [1, 2, 4]),  # cache hit
+        lambda: kv.fork("a", "c"),
+        lambda: kv.append_token("c", 5),  # copy-on-write, cache store
+        lambda: kv.append_token("a", 6),
+        lambda: kv.free_sequence("a"),
+        lambda: kv.add_sequence("d", [7, 8, 9, 10, 11, 12]),  # evicts
+        lambda: kv.free_sequence("b"),
+    ]
+    for op in ops:
+        op()
+        states.append(len(log))
+        assert replay_matches(kv, log.replay())
+    kinds = {e.kind for e in log.events}
+    assert kinds == {"allocate", "cache_hit", "incref", "cow_copy", "free", "cache_store", "evict"}
+    # JSON round trip replays to the same pool, step by step.
+    loaded = EventLog.from_json(log.to_json())
+    assert loaded.meta == {"num_blocks": 6, "block_size": 2}
+    assert loaded.events == log.events
+    assert replay_matches(kv, loaded.replay())
+    assert loaded.replay(upto=states[0]).tables == {"a": [0, 1]}
+
+
+def test_a_closed_log_stops_recording():
+    kv = KVCacheManager(4, 2)
+    log = kv.record()
+    kv.add_sequence("a", [1])
+    log.close()
+    kv.add_sequence("b", [1])
+    assert len(log) == 1 and not kv.trace.listening
+
+
+def test_replay_refuses_unknown_kinds_and_logs_without_a_pool_size():
+    with pytest.raises(ValueError, match="swap_out"):
+        PoolReplay(2).apply(Event(0, "swap_out", (0,), ("a",)))
+    with pytest.raises(ValueError, match="num_blocks"):
+        EventLog().replay()
