@@ -1,0 +1,36 @@
+"""Command line: ``python -m pagedlearn {demo, check-env}`` (also installed as ``pagedlearn``)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pagedlearn", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser("demo", help="watch the KV-cache memory manager serve a few sequences")
+    demo.add_argument("--num-blocks", type=int, default=16, help="physical blocks in the pool")
+    demo.add_argument("--block-size", type=int, default=4, help="tokens per block")
+    demo.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
+    env = sub.add_parser("check-env", help="print [OK]/[FAIL] per dependency, GPU and Triton")
+    env.add_argument("--no-dev", action="store_true", help="skip the dev tools")
+    args = parser.parse_args(argv)
+
+    if args.command == "demo":
+        from pagedlearn.demo import run_demo
+        from pagedlearn.errors import PagedLearnError
+
+        try:
+            run_demo(args.num_blocks, args.block_size, not args.no_prefix_caching)
+        except PagedLearnError as e:
+            print(f"demo stopped: {e}", file=sys.stderr)
+            return 1
+        return 0
+    from pagedlearn.check_env import check_env
+
+    return check_env(include_dev=not args.no_dev)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

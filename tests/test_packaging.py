@@ -1,0 +1,135 @@
+"""The project's set-up is part of what we ship: keep its files honest and its commands working."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pagedlearn import check_env
+
+ROOT = Path(__file__).resolve().parent.parent
+tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+CONDA_NAMES = {"pytorch": "torch"}  # conda-forge name -> PyPI name
+
+
+def _name_and_spec(requirement: str) -> tuple[str, str]:
+    m = re.match(r"\s*([A-Za-z0-9_.\-]+)\s*([^;#]*)", requirement)
+    return m.group(1).lower(), m.group(2).replace(" ", "")
+
+
+def pyproject_deps() -> tuple[dict[str, str], dict[str, str]]:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    runtime = dict(_name_and_spec(r) for r in project["dependencies"])
+    dev = dict(_name_and_spec(r) for r in project["optional-dependencies"]["dev"])
+    return runtime, dev
+
+
+def environment_yml_deps() -> dict[str, str]:
+    deps, inside = {}, False
+    for line in (ROOT / "environment.yml").read_text().splitlines():
+        line = line.split("#")[0].rstrip()
+        if line.startswith("dependencies:"):
+            inside = True
+        elif inside and re.match(r"  - \S", line) and not line.strip().endswith(":"):
+            name, spec = _name_and_spec(line.strip()[2:])
+            if name not in ("python", "pip"):
+                deps[CONDA_NAMES.get(name, name)] = spec
+    return deps
+
+
+def test_environment_yml_names_the_same_packages_as_pyproject():
+    runtime, dev = pyproject_deps()
+    assert environment_yml_deps() == {**runtime, **dev}
+    text = (ROOT / "environment.yml").read_text()
+    assert "conda-forge" in text and "- -e ." in text
+    assert not re.search(r"^\s+- (pytorch|defaults)\s*$", text, re.M), "conda-forge only"
+
+
+def test_pyproject_installs_both_packages_and_does_not_pin_a_cpu_torch():
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    packages = config["tool"]["setuptools"]["packages"]["find"]["include"]
+    assert packages == ["pagedlearn*", "kernels*"]
+    runtime, _ = pyproject_deps()
+    assert "+cpu" not in runtime["torch"] and "triton" in runtime
+
+
+def test_check_env_checks_every_dependency_of_pyproject():
+    runtime, dev = pyproject_deps()
+    assert [d for d, _ in check_env.REQUIRED] == list(runtime)
+    assert [d for d, _ in check_env.DEV] == list(dev)
+
+
+def run(*args: str, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=300, **kw
+    )
+
+
+def test_check_env_runs_and_reports_ok_per_dependency():
+    out = run("-m", "pagedlearn", "check-env")
+    assert out.returncode == 0, out.stdout + out.stderr
+    for dist, _ in check_env.REQUIRED + check_env.DEV:
+        assert re.search(rf"^\[(OK|FAIL|--)\]\s+{dist}\b", out.stdout, re.M), dist
+    assert re.search(r"^\[(OK|--)\]\s+GPU", out.stdout, re.M)
+    assert re.search(r"^\[OK\]\s+Triton CPU interpreter", out.stdout, re.M), out.stdout
+
+
+def test_check_env_fails_loudly_when_a_required_package_is_missing(monkeypatch, capsys):
+    real = check_env._probe
+    monkeypatch.setattr(
+        check_env,
+        "_probe",
+        lambda d, m: (False, "ModuleNotFoundError: gone") if d == "transformers" else real(d, m),
+    )
+    monkeypatch.setattr(check_env, "_run_triton_probe", lambda device: (True, "skipped"))
+    assert check_env.check_env(include_dev=False) == 1
+    assert "[FAIL] transformers: ModuleNotFoundError: gone" in capsys.readouterr().out
+
+
+def test_demo_runs_and_shows_sharing_copying_and_eviction():
+    out = run("-m", "pagedlearn", "demo")
+    assert out.returncode == 0, out.stderr
+    for phrase in (
+        "tokens reused from A's blocks",
+        "copy-on-write, copy block",
+        "evictions",
+        "block events recorded",
+    ):
+        assert phrase in out.stdout
+    assert re.search(r"used 0, free 16 \(cached \d+\)", out.stdout)  # everything came back
+
+
+def test_cli_rejects_bad_options_with_a_clear_message():
+    out = run("-m", "pagedlearn", "demo", "--block-size", "0")
+    assert out.returncode == 1 and "block_size must be a positive int" in out.stderr
+    out = run("-m", "pagedlearn", "demo", "--num-blocks", "4")
+    assert out.returncode == 1 and "need" in out.stderr and "free of 4" in out.stderr
+    assert run("-m", "pagedlearn", "nonsense").returncode == 2
+
+
+def test_package_imports_without_torch_or_triton():
+    code = (
+        "import sys; sys.modules['triton'] = None; sys.modules['torch'] = None\n"
+        "import pagedlearn, kernels\n"
+        "kv = pagedlearn.KVCacheManager(4, 2); kv.add_sequence(0, [1, 2, 3])\n"
+        "print('ok')"
+    )
+    out = run("-c", code)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_readme_quick_start_is_two_commands_and_ci_runs_the_test_one():
+    readme = (ROOT / "README.md").read_text()
+    quick = readme.split("## Quick start", 1)[1].split("```", 2)[1]
+    commands = [ln for ln in quick.splitlines()[1:] if ln.strip() and not ln.startswith("#")]
+    assert [c.split("#")[0].strip() for c in commands] == ["make demo", "make test"]
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert re.search(r"^make test$", ci, re.M)
+
+
+def test_block_manager_benchmark_runs():
+    out = run("benchmarks/bench_block_manager.py", "--quick")
+    assert out.returncode == 0, out.stderr
+    assert "allocate+free" in out.stdout and "us/token" in out.stdout
