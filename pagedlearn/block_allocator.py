@@ -54,6 +54,7 @@ class BlockAllocator:
         self._cached: set[int] = set()  # blocks (used or free) whose KV the prefix cache indexes
         self.on_evict = on_evict
         self.num_evictions = 0
+        self._num_shared = 0  # blocks with refcount > 1, kept up to date so stats() is O(1)
 
     # --- queries -------------------------------------------------------------------------------
     @property
@@ -68,6 +69,11 @@ class BlockAllocator:
     def num_cached_free_blocks(self) -> int:
         """Free blocks that still hold a reusable cached prefix."""
         return len(self._free_cached)
+
+    @property
+    def num_shared_blocks(self) -> int:
+        """Blocks referenced by more than one block table (refcount > 1)."""
+        return self._num_shared
 
     def refcount(self, block_id: int) -> int:
         self._check_ids([block_id])
@@ -117,6 +123,7 @@ class BlockAllocator:
             if self._refcounts[b] == 0:
                 del self._free_cached[b]  # O(1): OrderedDict unlinks the node
             self._refcounts[b] += 1
+            self._num_shared += self._refcounts[b] == 2
 
     def free(self, ids: Iterable[int]) -> None:
         """Drop one reference per id; a block whose count reaches 0 joins the free queue.
@@ -133,6 +140,7 @@ class BlockAllocator:
                 )
         for b in ids:
             self._refcounts[b] -= 1
+            self._num_shared -= self._refcounts[b] == 1
             if self._refcounts[b] == 0:
                 queue = self._free_cached if b in self._cached else self._free_empty
                 queue[b] = None

@@ -4,7 +4,8 @@
 random operation, and a lab can call it after every step to see that nothing leaked. It costs
 O(num_blocks + tokens), so it is for tests, debugging and teaching, not for each step of a server.
 
-1. Every block's refcount equals the number of block-table entries pointing at it.
+1. Every block's refcount equals the number of block-table entries pointing at it (and the
+   allocator's count of shared blocks, refcount > 1, agrees).
 2. A block is in the free queue exactly when its refcount is 0 -- never both free and in a table,
    never twice in the queue -- and used + free == num_blocks.
 3. Every table has exactly ceil(tokens / block_size) blocks, all distinct.
@@ -49,6 +50,8 @@ def check_invariants(kv: KVCacheManager) -> None:
             _fail(f"block {b} has refcount {a.refcount(b)} but free={b in free_set}")
         if refs[b] and b in free_set:
             _fail(f"block {b} is both free and in a block table")
+    if a.num_shared_blocks != sum(1 for b in range(a.num_blocks) if a.refcount(b) > 1):
+        _fail(f"the allocator counts {a.num_shared_blocks} shared blocks, the refcounts disagree")
 
     # 3: each table's shape
     for seq_id, t in tables.items():

@@ -214,7 +214,6 @@ class KVCacheManager:
     def stats(self) -> dict[str, Any]:
         """Pool usage and counters, the numbers vLLM operators watch."""
         a = self.allocator
-        refcounts = [a.refcount(b) for b in range(a.num_blocks)]
         return {
             "num_blocks": a.num_blocks,
             "block_size": self.block_size,
@@ -222,7 +221,7 @@ class KVCacheManager:
             "used_blocks": a.num_blocks - a.num_free_blocks,
             "free_blocks": a.num_free_blocks,
             "cached_blocks": a.num_cached_free_blocks,  # free, but holding a reusable prefix
-            "shared_blocks": sum(1 for c in refcounts if c > 1),
+            "shared_blocks": a.num_shared_blocks,  # refcount > 1
             **self._counters,
             "evictions": a.num_evictions,
         }
@@ -283,12 +282,21 @@ class KVCacheManager:
 
 
 def _check_tokens(token_ids: Iterable[int]) -> list[int]:
+    """Token ids as a list of ints >= 0 (numpy / torch ints welcome); names the first bad one."""
+    if isinstance(token_ids, (str, bytes)):
+        raise PagedLearnError("token ids must be ints, got a string: tokenize it first")
     try:
-        tokens = [operator.index(t) for t in token_ids]
+        items = iter(token_ids)
     except TypeError:
         raise PagedLearnError(f"token ids must be ints, got {token_ids!r}") from None
+    tokens = []
+    for i, t in enumerate(items):
+        try:
+            tokens.append(operator.index(t))
+        except TypeError:
+            raise PagedLearnError(f"token ids must be ints: position {i} is {t!r}") from None
+        if tokens[-1] < 0:
+            raise PagedLearnError(f"token ids must be >= 0: position {i} is {t!r}")
     if not tokens:
         raise PagedLearnError("a sequence needs at least one token")
-    if any(t < 0 for t in tokens):
-        raise PagedLearnError(f"token ids must be >= 0, got {token_ids!r}")
     return tokens

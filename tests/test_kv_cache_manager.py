@@ -32,6 +32,15 @@ def test_append_allocates_only_on_a_block_boundary():
     assert kv.slot_mapping("a")[-1] == slot
 
 
+def test_token_ids_may_be_a_tensor():
+    torch = pytest.importorskip("torch")
+    kv = make()
+    kv.add_sequence("a", torch.tensor([5, 6, 7]))
+    kv.append_token("a", torch.tensor(8))
+    assert kv.token_ids("a") == [5, 6, 7, 8]
+    assert all(type(t) is int for t in kv.token_ids("a"))
+
+
 def test_free_returns_every_block():
     kv = make(caching=False)
     kv.add_sequence("a", range(10))
@@ -229,9 +238,10 @@ def test_bad_calls_raise_clear_errors_and_change_nothing():
     cases = [
         (lambda: kv.add_sequence("a", [1]), "already exists"),
         (lambda: kv.add_sequence("x", []), "at least one token"),
-        (lambda: kv.add_sequence("x", [1, -2]), ">= 0"),
-        (lambda: kv.add_sequence("x", [1, 2.5]), "must be ints"),
-        (lambda: kv.add_sequence("x", "abc"), "must be ints"),
+        (lambda: kv.add_sequence("x", [1, -2]), ">= 0: position 1 is -2"),
+        (lambda: kv.add_sequence("x", [1, 2.5]), "must be ints: position 1 is 2.5"),
+        (lambda: kv.add_sequence("x", "abc"), "got a string: tokenize it first"),
+        (lambda: kv.add_sequence("x", None), "must be ints"),
         (lambda: kv.add_sequence(["unhashable"], [1]), "not hashable"),
         (lambda: kv.append_token("zz", 1), "unknown sequence id 'zz'"),
         (lambda: kv.append_token("a", -1), ">= 0"),

@@ -133,3 +133,13 @@ def test_block_manager_benchmark_runs():
     out = run("benchmarks/bench_block_manager.py", "--quick")
     assert out.returncode == 0, out.stderr
     assert "allocate+free" in out.stdout and "us/token" in out.stdout
+
+
+def test_readme_demo_excerpt_is_what_the_demo_prints():
+    readme = (ROOT / "README.md").read_text()
+    excerpt = readme.split("`make demo` prints", 1)[1].split("```", 2)[1]
+    lines = [ln for ln in excerpt.splitlines() if ln.strip()]
+    out = run("-m", "pagedlearn", "demo").stdout.splitlines()
+    assert len(lines) >= 5
+    for line in lines:
+        assert line in out, f"README shows a line the demo no longer prints: {line!r}"
