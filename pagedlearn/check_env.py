@@ -71,59 +71,56 @@ def _run_triton_probe(device: str) -> tuple[bool, str]:
     return out.returncode == 0, (lines[-1] if lines else f"exit code {out.returncode}")
 
 
+def _line(tag: str, text: str) -> None:
+    print(f"{'[' + tag + ']':<6} {text}")
+
+
 def check_env(include_dev: bool = True) -> int:
     """Print the report; return the exit code."""
     print(
         f"pagedlearn environment check -- Python {platform.python_version()}, "
         f"{platform.system()} {platform.machine()}"
     )
-    ok = True
-    linux = platform.system() == "Linux"
+    ok, found = True, {}
     for dist, module in REQUIRED:
-        good, detail = _probe(dist, module)
-        if good:
-            print(f"[OK]   {dist} {detail}")
-        elif dist == "triton" and not linux:
-            print(
-                "[--]   triton: not available on this platform; the kernels need it, "
-                "the PyTorch reference backend does not"
+        found[dist], detail = _probe(dist, module)
+        if found[dist]:
+            _line("OK", f"{dist} {detail}")
+        elif dist == "triton" and platform.system() != "Linux":
+            _line(
+                "--",
+                "triton: not available on this platform; the kernels need it, "
+                "the PyTorch reference backend does not",
             )
         else:
             ok = False
-            print(f"[FAIL] {dist}: {detail}  -> run `make install` (or pip install -e .)")
-    if include_dev:
-        for dist, module in DEV:
-            good, detail = _probe(dist, module)
-            print(
-                f"[OK]   {dist} {detail} (dev)"
-                if good
-                else f"[--]   {dist}: not installed (dev extra: pip install -e '.[dev]')"
-            )
+            _line("FAIL", f"{dist}: {detail}  -> run `make install` (or pip install -e .)")
+    for dist, module in DEV if include_dev else []:
+        good, detail = _probe(dist, module)
+        if good:
+            _line("OK", f"{dist} {detail} (dev)")
+        else:
+            _line("--", f"{dist}: not installed (dev extra: pip install -e '.[dev]')")
 
-    torch_ok, _ = _probe("torch", "torch")
-    triton_ok, _ = _probe("triton", "triton")
     gpu = False
-    if torch_ok:
+    if found["torch"]:
         import torch
 
         gpu = torch.cuda.is_available()
         if gpu:
-            print(f"[OK]   GPU: {torch.cuda.get_device_name(0)} (torch CUDA {torch.version.cuda})")
+            _line("OK", f"GPU: {torch.cuda.get_device_name(0)} (torch CUDA {torch.version.cuda})")
         else:
-            print(
-                "[--]   GPU: none -- fine: the reference backend runs on the CPU, and the "
-                "Triton kernels run in Triton's CPU interpreter (slowly)"
+            _line(
+                "--",
+                "GPU: none -- fine: everything runs on the CPU, the Triton kernels "
+                "in Triton's CPU interpreter (slowly)",
             )
-    if torch_ok and triton_ok:
-        if gpu:
-            good, detail = _run_triton_probe("cuda")
-            print(f"[{'OK' if good else 'FAIL'}]{'  ' if good else ''} Triton on the GPU: {detail}")
+    if found["torch"] and found["triton"]:
+        probes = [("cuda", "Triton on the GPU")] if gpu else []
+        probes.append(("cpu", "Triton CPU interpreter (TRITON_INTERPRET=1)"))
+        for device, what in probes:
+            good, detail = _run_triton_probe(device)
+            _line("OK" if good else "FAIL", f"{what}: {detail}")
             ok &= good
-        good, detail = _run_triton_probe("cpu")
-        print(
-            f"[{'OK' if good else 'FAIL'}]{'  ' if good else ''} Triton CPU interpreter "
-            f"(TRITON_INTERPRET=1): {detail}"
-        )
-        ok &= good
     print("all required parts are usable" if ok else "some required parts failed (see [FAIL])")
     return 0 if ok else 1

@@ -74,6 +74,7 @@ class KVCacheManager:
         self._tables: dict[Hashable, BlockTable] = {}
         self._extra_keys: dict[Hashable, tuple] = {}  # per sequence: model, adapter, salt
         self._copies: list[tuple[int, int]] = []  # pending copy-on-write (src, dst)
+        self._allocating_for: Hashable = None  # the sequence an allocation in progress serves
         self._counters = {
             "prefix_query_tokens": 0,
             "prefix_hit_tokens": 0,
@@ -126,7 +127,7 @@ class KVCacheManager:
         if hits:
             self.allocator.incref(hits)
             self.trace.emit("cache_hit", hits, (seq_id,))
-        new = self.allocator.allocate(num_new)
+        new = self._allocate(num_new, seq_id)
         self.trace.emit("allocate", new, (seq_id,))
         table.block_ids = hits + new
         self._tables[seq_id] = table
@@ -149,11 +150,11 @@ class KVCacheManager:
         (token,) = _check_tokens([token_id])
         pos = table.num_tokens
         if pos % self.block_size == 0:  # the last block is full (or there is none): a new one
-            (block,) = self._allocate_one(f"append_token({seq_id!r}) at position {pos}")
+            (block,) = self._allocate(1, seq_id, f"append_token({seq_id!r}) at position {pos}")
             table.block_ids.append(block)
             self.trace.emit("allocate", (block,), (seq_id,))
         elif self.allocator.refcount(src := table.block_ids[-1]) > 1:  # shared partial block
-            (dst,) = self._allocate_one(f"copy-on-write for {seq_id!r}")
+            (dst,) = self._allocate(1, seq_id, f"copy-on-write for {seq_id!r}")
             self.allocator.free([src])  # one sharer fewer; the others keep src untouched
             table.block_ids[-1] = dst
             self._copies.append((src, dst))
@@ -252,9 +253,10 @@ class KVCacheManager:
         if exists:
             raise PagedLearnError(f"sequence id {seq_id!r} already exists")
 
-    def _allocate_one(self, what: str) -> list[int]:
+    def _allocate(self, n: int, seq_id: Hashable, what: str = "") -> list[int]:
+        self._allocating_for = seq_id  # named in the evict events this allocation may cause
         try:
-            return self.allocator.allocate(1)
+            return self.allocator.allocate(n)
         except OutOfBlocksError as e:
             self._counters["allocation_failures"] += 1
             raise OutOfBlocksError(e.needed, e.free, e.total, what=what) from None
@@ -278,7 +280,12 @@ class KVCacheManager:
     def _on_evict(self, block_id: int) -> None:
         # Called by the allocator when it hands out a free cached block for new data.
         block_hash = self.prefix_cache.evict(block_id) if self.prefix_cache else None
-        self.trace.emit("evict", (block_id,), hash=block_hash.hex() if block_hash else None)
+        self.trace.emit(
+            "evict",
+            (block_id,),
+            (self._allocating_for,),
+            hash=block_hash.hex() if block_hash else None,
+        )
 
 
 def _check_tokens(token_ids: Iterable[int]) -> list[int]:

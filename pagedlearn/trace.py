@@ -17,7 +17,7 @@ kind            blocks                seqs       what happened
 ``cow_copy``    (src, dst)            (s,)       copy-on-write: s's last block src -> fresh dst
 ``free``        s's blocks            (s,)       s finished: refcount -1 each, its table is gone
 ``cache_store`` (b,)                  (s,)       s's full block b registered: ``info["hash"]``
-``evict``       (b,)                  ()         cached block b reused for new data; hash dropped
+``evict``       (b,)                  (s,)       cached block b taken for s's new data; hash gone
 ==============  ====================  =========  =================================================
 
 The engine adds ``swap_out``, ``swap_in`` and ``preempt`` later. When nobody subscribes, ``emit``

@@ -50,6 +50,8 @@ def test_every_operation_is_in_the_trace_and_replay_rebuilds_the_pool():
         assert replay_matches(kv, log.replay())
     kinds = {e.kind for e in log.events}
     assert kinds == {"allocate", "cache_hit", "incref", "cow_copy", "free", "cache_store", "evict"}
+    evictions = [e for e in log.events if e.kind == "evict"]
+    assert evictions and all(e.seqs == ("d",) for e in evictions)  # evicted for d's new blocks
     # JSON round trip replays to the same pool, step by step.
     loaded = EventLog.from_json(log.to_json())
     assert loaded.meta == {"num_blocks": 6, "block_size": 2}
