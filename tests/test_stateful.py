@@ -18,7 +18,7 @@ from collections import Counter
 
 import hypothesis.strategies as st
 import pytest
-from helpers import snapshot
+from helpers import replay_matches, snapshot
 from hypothesis import settings
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -28,7 +28,6 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
-from test_trace import replay_matches
 
 from pagedlearn import KVCacheManager, OutOfBlocksError, PagedLearnError
 

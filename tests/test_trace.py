@@ -1,17 +1,8 @@
 import pytest
+from helpers import replay_matches
 
 from pagedlearn import KVCacheManager
 from pagedlearn.trace import Event, EventLog, PoolReplay, Trace
-
-
-def replay_matches(kv: KVCacheManager, state: PoolReplay) -> bool:
-    a = kv.allocator
-    cached = {b: kv.prefix_cache.hash_of(b).hex() for b in range(a.num_blocks) if a.is_cached(b)}
-    return (
-        state.refcounts == [a.refcount(b) for b in range(a.num_blocks)]
-        and state.tables == {s: kv.block_table(s) for s in kv.sequences()}
-        and state.cached == cached
-    )
 
 
 def test_nothing_is_built_when_nobody_listens(monkeypatch):
