@@ -44,7 +44,7 @@ class BlockAllocator:
     """
 
     def __init__(self, num_blocks: int, on_evict: Callable[[int], None] | None = None) -> None:
-        if not isinstance(num_blocks, int) or num_blocks < 1:
+        if not _is_int(num_blocks) or num_blocks < 1:
             raise PagedLearnError(f"num_blocks must be a positive int, got {num_blocks!r}")
         self._num_blocks = num_blocks
         self._refcounts = [0] * num_blocks
@@ -93,7 +93,7 @@ class BlockAllocator:
 
         Raises :class:`OutOfBlocksError`, changing nothing, when fewer than ``n`` are free.
         """
-        if not isinstance(n, int) or n < 0:
+        if not _is_int(n) or n < 0:
             raise PagedLearnError(f"allocate(n) needs an int n >= 0, got {n!r}")
         if n > self.num_free_blocks:
             raise OutOfBlocksError(n, self.num_free_blocks, self._num_blocks)
@@ -155,7 +155,7 @@ class BlockAllocator:
     # --- helpers -------------------------------------------------------------------------------
     def _check_ids(self, ids: list[int]) -> None:
         for b in ids:
-            if not isinstance(b, int) or isinstance(b, bool) or not 0 <= b < self._num_blocks:
+            if not _is_int(b) or not 0 <= b < self._num_blocks:
                 raise PagedLearnError(
                     f"block id {b!r} is not a valid id: ids are ints 0..{self._num_blocks - 1}"
                 )
@@ -165,3 +165,7 @@ class BlockAllocator:
             f"BlockAllocator(num_blocks={self._num_blocks}, free={self.num_free_blocks}, "
             f"cached_free={self.num_cached_free_blocks})"
         )
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)  # True is an int in Python; not here

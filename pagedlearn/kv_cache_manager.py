@@ -63,7 +63,7 @@ class KVCacheManager:
         enable_prefix_caching: bool = False,
         model_id: Hashable = None,
     ) -> None:
-        if not isinstance(block_size, int) or block_size < 1:
+        if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
             raise PagedLearnError(f"block_size must be a positive int, got {block_size!r}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching

@@ -26,11 +26,12 @@ def test_allocate_zero_and_negative():
     assert pool.allocate(0) == []
     with pytest.raises(PagedLearnError, match="n >= 0"):
         pool.allocate(-1)
-    with pytest.raises(PagedLearnError):
-        pool.allocate(1.0)
+    for bad in (1.0, True):
+        with pytest.raises(PagedLearnError):
+            pool.allocate(bad)
 
 
-@pytest.mark.parametrize("bad", [0, -3, 2.5, "8"])
+@pytest.mark.parametrize("bad", [0, -3, 2.5, "8", True])
 def test_pool_size_must_be_positive_int(bad):
     with pytest.raises(PagedLearnError, match="num_blocks"):
         BlockAllocator(bad)
