@@ -51,8 +51,7 @@ class BlockTable:
 
     def slot_mapping(self) -> list[int]:
         """One slot per token position, 0 .. num_tokens-1 (what the KV write kernel consumes)."""
-        bs = self.block_size
-        return [self.block_ids[i // bs] * bs + i % bs for i in range(self.num_tokens)]
+        return [self.slot(i) for i in range(self.num_tokens)]
 
     def block_tokens(self, j: int) -> list[int]:
         """Token ids stored in logical block ``j``."""

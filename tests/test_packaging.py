@@ -88,8 +88,13 @@ def test_check_env_fails_loudly_when_a_required_package_is_missing(monkeypatch, 
     assert "[FAIL] transformers: ModuleNotFoundError: gone" in capsys.readouterr().out
 
 
-def test_demo_runs_and_shows_sharing_copying_and_eviction():
-    out = run("-m", "pagedlearn", "demo")
+@pytest.fixture(scope="module")
+def demo() -> subprocess.CompletedProcess:
+    return run("-m", "pagedlearn", "demo")
+
+
+def test_demo_runs_and_shows_sharing_copying_and_eviction(demo):
+    out = demo
     assert out.returncode == 0, out.stderr
     for phrase in (
         "tokens reused from A's blocks",
@@ -135,11 +140,11 @@ def test_block_manager_benchmark_runs():
     assert "allocate+free" in out.stdout and "us/token" in out.stdout
 
 
-def test_readme_demo_excerpt_is_what_the_demo_prints():
+def test_readme_demo_excerpt_is_what_the_demo_prints(demo):
     readme = (ROOT / "README.md").read_text()
     excerpt = readme.split("`make demo` prints", 1)[1].split("```", 2)[1]
     lines = [ln for ln in excerpt.splitlines() if ln.strip()]
-    out = run("-m", "pagedlearn", "demo").stdout.splitlines()
+    out = demo.stdout.splitlines()
     assert len(lines) >= 5
     for line in lines:
         assert line in out, f"README shows a line the demo no longer prints: {line!r}"

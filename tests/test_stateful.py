@@ -30,6 +30,7 @@ from hypothesis.stateful import (
 )
 
 from pagedlearn import KVCacheManager, OutOfBlocksError, PagedLearnError
+from pagedlearn.trace import PoolReplay
 
 SYSTEM = [7, 8, 9, 7, 8, 9, 7, 8]  # a shared prefix, repetitive on purpose
 STEPS = Counter()  # steps run per configuration, to prove the test did its work
@@ -50,7 +51,8 @@ class KVCacheMachine(RuleBasedStateMachine):
     def setup(self, num_blocks, block_size):
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=self.caching)
         self.bs = block_size
-        self.log = self.kv.record()
+        self.replay = PoolReplay(num_blocks)  # follows the trace event by event, as a view would
+        self.kv.trace.subscribe(self.replay.apply)
         self.tokens: dict[int, list[int]] = {}  # shadow: tokens per live sequence
         self.salt: dict[int, object] = {}
         self.refs = [0] * num_blocks  # shadow refcounts
@@ -155,7 +157,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         a = self.kv.allocator
         assert [a.refcount(b) for b in range(a.num_blocks)] == self.refs
         assert {s: self.kv.token_ids(s) for s in self.kv.sequences()} == self.tokens
-        assert replay_matches(self.kv, self.log.replay())
+        assert replay_matches(self.kv, self.replay)
 
     def teardown(self):
         SEEN[self.caching, "evictions"] += self.kv.stats()["evictions"]
