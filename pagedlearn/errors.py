@@ -23,3 +23,19 @@ class OutOfBlocksError(PagedLearnError):
         self.needed, self.free, self.total = needed, free, total
         msg = f"need {needed} block{'s' if needed != 1 else ''}, {free} free of {total}"
         super().__init__(f"{what}: {msg}" if what else msg)
+
+
+class AttentionInputError(PagedLearnError, ValueError):
+    """An attention reference or kernel was handed tensors it cannot use: a wrong rank, dtype or
+    device, heads that do not divide, a block table that points outside the cache, ...
+
+    It is also a ``ValueError``, so ``except ValueError`` catches it as well. The message names the
+    argument. It is raised before anything is launched or written.
+    """
+
+
+class KernelUnavailableError(PagedLearnError, RuntimeError):
+    """A Triton kernel cannot run here: Triton is not installed, or the tensors are on the CPU and
+    Triton's interpreter is off. The message says what to do (set ``TRITON_INTERPRET=1``, or use
+    the PyTorch reference in :mod:`pagedlearn.attention`).
+    """

@@ -1,0 +1,191 @@
+"""Pure-PyTorch attention references, from plain attention to the loop a paged kernel runs.
+
+Read them in order; each computes the same numbers as the one before, a step closer to a kernel:
+
+1. :func:`contiguous_attention` -- softmax(q kᵀ · scale) v on contiguous K/V. Ground truth.
+2. :func:`paged_attention_ref` -- decode over a *paged* cache: gather each sequence's K/V through
+   its block table, then (1). This is what PagedAttention changes: K/V live in fixed-size blocks
+   anywhere in one big slab, and a block table says where.
+3. :func:`paged_attention_online_softmax_ref` -- the same result block by block, never holding a
+   whole row of scores: a running max ``m_i``, a running sum ``l_i`` and an accumulator ``acc`` that
+   is rescaled whenever the max grows. This is the loop of ``kernels.paged_attention_decode``;
+   hold the two side by side. With ``num_splits > 1`` it is flash-decoding: independent partial
+   results over slices of the context, merged by their log-sum-exp.
+4. :func:`paged_attention_prefill_ref` -- prefill/extend: several new tokens per sequence whose
+   first ``context_len - query_len`` keys are already cached (a prefix-cache hit), attending
+   causally to the cached prefix and to each other.
+
+Plus :func:`write_kv_ref`, the KV write ("reshape_and_cache"): token ``i``'s K/V go to slot
+``slot_mapping[i]`` = ``block_id * block_size + offset``; a negative slot means "skip" (padding).
+
+Shapes use the cache layout of :mod:`pagedlearn.attention_inputs`:
+``key_cache, value_cache: (num_blocks, block_size, num_kv_heads, head_dim)``. Everything is
+computed in float32 and returned in the queries' dtype.
+"""
+
+import torch
+
+from pagedlearn.attention_inputs import check_decode, check_prefill, check_write_kv
+
+
+def contiguous_attention(q, k, v, scale=None, causal=True):
+    """Plain softmax attention, the ground truth every other function is checked against.
+
+    q: ``(q_len, num_heads, head_dim)``; k, v: ``(kv_len, num_kv_heads, head_dim)``.
+    Returns ``(q_len, num_heads, head_dim)`` in q's dtype.
+
+    The ``q_len`` queries are the *last* ``q_len`` of the ``kv_len`` positions, so with
+    ``causal=True`` query ``i`` sees keys ``j <= kv_len - q_len + i`` ("bottom-right" alignment;
+    note that ``torch.nn.functional.scaled_dot_product_attention(is_causal=True)`` aligns top-left,
+    which is wrong as soon as a prefix is cached). Query heads ``h`` read KV head
+    ``h // (num_heads // num_kv_heads)`` (grouped-query attention). No keys -> zeros.
+
+    >>> q = torch.zeros(1, 2, 4); k = torch.zeros(3, 1, 4); v = torch.arange(12.0).view(3, 1, 4)
+    >>> contiguous_attention(q, k, v)[0, 0]  # equal scores: the mean of the three values
+    tensor([4., 5., 6., 7.])
+    """
+    q_len, num_heads, head_dim = q.shape
+    kv_len, num_kv_heads, _ = k.shape
+    if scale is None:
+        scale = head_dim**-0.5
+    if kv_len == 0:
+        return torch.zeros_like(q)
+    group = num_heads // num_kv_heads
+    qf = q.float().transpose(0, 1)  # (num_heads, q_len, head_dim)
+    kf = k.float().repeat_interleave(group, dim=1).transpose(0, 1)  # (num_heads, kv_len, head_dim)
+    vf = v.float().repeat_interleave(group, dim=1).transpose(0, 1)
+    scores = qf @ kf.transpose(1, 2) * scale  # (num_heads, q_len, kv_len)
+    if causal:
+        q_pos = torch.arange(q_len, device=q.device) + (kv_len - q_len)
+        visible = torch.arange(kv_len, device=q.device)[None, :] <= q_pos[:, None]
+        scores = scores.masked_fill(~visible, float("-inf"))
+    out = torch.softmax(scores, dim=-1) @ vf  # (num_heads, q_len, head_dim)
+    return out.transpose(0, 1).to(q.dtype)
+
+
+def gather_kv(key_cache, value_cache, block_table, context_len):
+    """One sequence's K/V made contiguous: ``(context_len, num_kv_heads, head_dim)`` each.
+
+    Logical token ``t`` lives in logical block ``t // block_size``, which the table maps to a
+    physical block, at offset ``t % block_size`` inside it.
+    """
+    block_size = key_cache.shape[1]
+    num_blocks = -(-context_len // block_size)  # ceil: the last block may be partly filled
+    ids = block_table[:num_blocks].long()  # (num_blocks,) physical ids, in logical order
+    k = key_cache[ids].flatten(0, 1)[:context_len]  # (num_blocks * block_size, ...) -> trimmed
+    v = value_cache[ids].flatten(0, 1)[:context_len]
+    return k, v
+
+
+def paged_attention_ref(q, key_cache, value_cache, block_tables, context_lens, scale=None):
+    """Decode attention over a paged KV cache: gather, then :func:`contiguous_attention`.
+
+    q: ``(num_seqs, num_heads, head_dim)``, one new token per sequence;
+    key_cache, value_cache: ``(num_blocks, block_size, num_kv_heads, head_dim)``;
+    block_tables: int ``(num_seqs, max_blocks_per_seq)``; context_lens: int ``(num_seqs,)``.
+    Returns ``(num_seqs, num_heads, head_dim)``. ``scale`` defaults to ``1 / sqrt(head_dim)``.
+    Raises :class:`~pagedlearn.errors.AttentionInputError` (a ``ValueError``) on bad input.
+    """
+    shape = check_decode(q, key_cache, value_cache, block_tables, context_lens, scale, True)
+    out = torch.empty_like(q)
+    for i, n in enumerate(context_lens.tolist()):
+        k, v = gather_kv(key_cache, value_cache, block_tables[i], n)
+        out[i] = contiguous_attention(q[i : i + 1], k, v, shape.scale)[0]
+    return out
+
+
+def paged_attention_online_softmax_ref(
+    q, key_cache, value_cache, block_tables, context_lens, scale=None, num_splits=1
+):
+    """:func:`paged_attention_ref` computed the way the Triton kernel does, one block at a time.
+
+    Per sequence and head it keeps, in float32: ``m_i`` the largest score seen so far, ``l_i`` the
+    sum of ``exp(score - m_i)``, and ``acc`` the sum of ``exp(score - m_i) * v``. When a new block
+    raises the max, ``l_i`` and ``acc`` are rescaled by ``exp(m_old - m_new)``; at the end
+    ``acc / l_i`` is the softmax-weighted sum, divided once. A whole row of scores never exists,
+    which is why a kernel can stream K/V of any length through a fixed amount of on-chip memory.
+
+    ``num_splits > 1`` is flash-decoding: the blocks are cut into ``num_splits`` slices that run
+    independently (on a GPU, in parallel: more work for short batches with long contexts). Each
+    slice ends with its own ``(m_i, l_i, acc)``; they are merged exactly, weighting slice ``s`` by
+    ``exp(m_s - max_s m_s)``. A slice with no blocks has ``l_i = 0`` and weight 0.
+    """
+    shape = check_decode(q, key_cache, value_cache, block_tables, context_lens, scale, True)
+    if not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 1:
+        raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
+    bs, group, dev = shape.block_size, shape.group_size, q.device
+    out = torch.empty_like(q)
+    for i, n in enumerate(context_lens.tolist()):
+        qi = q[i].float()  # (num_heads, head_dim)
+        num_blocks = -(-n // bs)
+        per_split = -(-num_blocks // num_splits)  # blocks per slice; trailing slices may be empty
+        parts = []  # one (m_i, l_i, acc) per slice
+        for split in range(num_splits):
+            m_i = torch.full((shape.num_heads,), float("-inf"), device=dev)  # running max
+            l_i = torch.zeros(shape.num_heads, device=dev)  # running sum of exp(score - m_i)
+            acc = torch.zeros(shape.num_heads, shape.head_dim, device=dev)  # sum of exp(...) * v
+            for j in range(split * per_split, min((split + 1) * per_split, num_blocks)):
+                # 1. Look up where logical block j lives, and load it.
+                block_id = int(block_tables[i, j])
+                valid = min(bs, n - j * bs)  # tokens in this block; the last may be partial
+                k = key_cache[block_id, :valid].float()  # (valid, num_kv_heads, head_dim)
+                v = value_cache[block_id, :valid].float()
+                k = k.repeat_interleave(group, dim=1)  # each KV head serves `group` query heads
+                v = v.repeat_interleave(group, dim=1)  # (valid, num_heads, head_dim)
+                # 2. Scores of this block only: (num_heads, valid).
+                s = torch.einsum("hd,thd->ht", qi, k) * shape.scale
+                # 3. Raise the running max; rescale what was summed under the old max.
+                m_new = torch.maximum(m_i, s.max(dim=1).values)
+                alpha = torch.exp(m_i - m_new)  # exp(-inf) = 0 on the first block
+                p = torch.exp(s - m_new[:, None])  # (num_heads, valid)
+                l_i = l_i * alpha + p.sum(dim=1)
+                acc = acc * alpha[:, None] + torch.einsum("ht,thd->hd", p, v)
+                m_i = m_new
+            parts.append((m_i, l_i, acc))
+        # 4. Merge the slices (one slice: this is just acc / l_i). Empty slices have m_i = -inf.
+        m_all = torch.stack([m for m, _, _ in parts])  # (num_splits, num_heads)
+        m_max = m_all.max(dim=0).values
+        m_max = torch.where(torch.isinf(m_max), torch.zeros_like(m_max), m_max)  # n == 0
+        w = torch.exp(m_all - m_max)  # (num_splits, num_heads); 0 for empty slices
+        l_total = sum(w[s] * parts[s][1] for s in range(num_splits))
+        acc_total = sum(w[s][:, None] * parts[s][2] for s in range(num_splits))
+        safe_l = torch.where(l_total > 0, l_total, torch.ones_like(l_total))
+        out[i] = (acc_total / safe_l[:, None]).to(q.dtype)  # no keys at all -> zeros
+    return out
+
+
+def paged_attention_prefill_ref(
+    q, key_cache, value_cache, block_tables, cu_seqlens_q, context_lens, scale=None
+):
+    """Prefill/extend over a paged cache, for the packed new tokens of several sequences.
+
+    q: ``(total_query_tokens, num_heads, head_dim)``; sequence ``i``'s queries are rows
+    ``cu_seqlens_q[i]:cu_seqlens_q[i+1]``. Its ``context_lens[i]`` keys are already in the cache
+    (the new tokens' K/V included, written by :func:`write_kv_ref` first). The first
+    ``context_len - query_len`` of them are the cached prefix -- a prefix-cache hit that is not
+    recomputed -- and query ``j`` sees keys ``key_pos <= context_len - query_len + j``.
+    Returns ``(total_query_tokens, num_heads, head_dim)``.
+    """
+    shape = check_prefill(
+        q, key_cache, value_cache, block_tables, cu_seqlens_q, context_lens, scale, True
+    )
+    out = torch.empty_like(q)
+    cu = cu_seqlens_q.tolist()
+    for i, n in enumerate(context_lens.tolist()):
+        k, v = gather_kv(key_cache, value_cache, block_tables[i], n)
+        out[cu[i] : cu[i + 1]] = contiguous_attention(q[cu[i] : cu[i + 1]], k, v, shape.scale)
+    return out
+
+
+def write_kv_ref(key, value, key_cache, value_cache, slot_mapping):
+    """Write each token's K/V into its slot of the paged cache (in place); skip negative slots.
+
+    key, value: ``(num_tokens, num_kv_heads, head_dim)``; slot_mapping: int ``(num_tokens,)``.
+    Slot ``s`` is row ``s % block_size`` of physical block ``s // block_size``.
+    """
+    shape = check_write_kv(key, value, key_cache, value_cache, slot_mapping, True)
+    keep = slot_mapping >= 0  # padding tokens carry slot -1 and are not written
+    slots = slot_mapping[keep].long()
+    blocks, offsets = slots // shape.block_size, slots % shape.block_size
+    key_cache[blocks, offsets] = key[keep]
+    value_cache[blocks, offsets] = value[keep]
