@@ -1,0 +1,85 @@
+"""Where a Triton kernel runs, and the launch settings every kernel wrapper shares.
+
+Triton compiles ``@triton.jit`` functions for a GPU. Without one, Triton can *interpret* the same
+kernel on the CPU, one program at a time with NumPy, if ``TRITON_INTERPRET=1`` is in the
+environment when the kernel module is imported (Triton decides at ``@triton.jit`` time). That is
+slow, but it runs the very code a GPU would, which is how the tests check the kernels on a laptop:
+
+    TRITON_INTERPRET=1 python -c "import kernels; ..."      # or, first thing in a notebook:
+    import os; os.environ["TRITON_INTERPRET"] = "1"         # before importing kernels
+
+This module imports Triton, so only the kernel files import it; ``kernels/__init__.py`` does not.
+"""
+
+import triton
+from triton.runtime.interpreter import InterpretedFunction
+
+from pagedlearn.errors import AttentionInputError, KernelUnavailableError
+
+MAX_HEAD_DIM = 256  # the (rows, head_dim) float32 accumulator lives in registers; more spills
+
+
+def is_interpreted(kernel) -> bool:
+    """Whether ``kernel`` was built for Triton's CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return isinstance(kernel, InterpretedFunction)
+
+
+def check_launchable(kernel, name: str, reference: str, tensor, caches) -> bool:
+    """Refuse what the kernel cannot run on; return whether it runs in the interpreter.
+
+    ``tensor`` is any input (for its device); ``caches`` are the paged caches, which the kernels
+    index with their own strides but require to be contiguous (one slab, as the engine allocates).
+    """
+    interpreted = is_interpreted(kernel)
+    if tensor.device.type == "cpu" and not interpreted:
+        raise KernelUnavailableError(
+            f"{name} got CPU tensors, but Triton compiles kernels for GPUs. To run it on the CPU, "
+            "set TRITON_INTERPRET=1 before the kernels are imported (e.g. `TRITON_INTERPRET=1 "
+            "jupyter lab`, or os.environ['TRITON_INTERPRET'] = '1' at the top of a notebook), or "
+            f"use the PyTorch reference pagedlearn.attention.{reference}."
+        )
+    if tensor.device.type not in ("cpu", "cuda"):
+        raise AttentionInputError(f"{name} runs on CUDA or CPU tensors, got {tensor.device}")
+    for cache_name, cache in caches:
+        if not cache.is_contiguous():
+            raise AttentionInputError(
+                f"{cache_name} must be contiguous (one slab of shape {tuple(cache.shape)}); "
+                "got a strided view. Allocate the cache with torch.empty/zeros, or .contiguous()"
+            )
+        if cache.shape[-1] > MAX_HEAD_DIM:
+            raise AttentionInputError(
+                f"{cache_name} has head_dim {cache.shape[-1]}; this kernel supports up to "
+                f"{MAX_HEAD_DIM}"
+            )
+    return interpreted
+
+
+def dot_settings(dtype, interpreted: bool) -> tuple[bool, str]:
+    """``(upcast, input_precision)`` for the kernels' ``tl.dot`` calls.
+
+    - float32 uses ``input_precision="ieee"``: a GPU would otherwise round the operands to TF32
+      (10-bit mantissa), and fp32 results would no longer match the CPU reference to ~1e-5.
+    - bfloat16 cannot be ``tl.dot``-ed by the interpreter (it multiplies the raw bits), so there
+      the kernels upcast loaded tiles to float32 first. On a GPU bf16 runs natively.
+    - float16 dots accumulate in float32 on every backend; the precision flag does not apply.
+    """
+    import torch
+
+    upcast = interpreted and dtype == torch.bfloat16
+    return upcast, ("ieee" if dtype == torch.float32 or upcast else "tf32")
+
+
+def tile_tokens(block_size: int) -> int:
+    """How many tokens a kernel streams per loop iteration.
+
+    ``tl.dot`` needs at least 16 rows and ``tl.arange`` a power of two, so: one whole block per
+    iteration when the block size is a power of two from 16 to 128 (vLLM's usual sizes), and
+    otherwise a power-of-two tile that spans several small blocks or part of a large one. Every
+    token finds its own block through the table, so any block size works.
+    """
+    return min(max(triton.next_power_of_2(block_size), 16), 128)
+
+
+def next_power_of_2(n: int, at_least: int = 16) -> int:
+    """``tl.arange`` sizes must be powers of two, and ``tl.dot`` dims at least 16: pad up."""
+    return max(triton.next_power_of_2(n), at_least)

@@ -1,0 +1,266 @@
+"""Paged-attention decode in Triton: one new token per sequence attends to its paged K/V.
+
+Read it beside :func:`pagedlearn.attention.paged_attention_online_softmax_ref`, the PyTorch loop it
+runs, and check it against :func:`pagedlearn.attention.paged_attention_ref`, its reference (the
+tests do). One program handles one (sequence, KV head, split):
+
+1. find which tokens of the context this split covers;
+2. load the query heads that share this KV head (GQA: they are processed together, so each K/V
+   tile is read from memory once for the whole group);
+3. loop over the tokens a tile at a time: look up each token's physical block in the block table,
+   load K, score, update the running max / sum / accumulator, load V, accumulate;
+4. divide once at the end (one split), or write the partial result and its log-sum-exp for
+   :func:`_merge_splits_kernel` to combine (flash-decoding, ``num_splits > 1``).
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.backend import check_launchable, dot_settings, next_power_of_2, tile_tokens
+from pagedlearn.attention import paged_attention_ref as reference  # what the tests compare to
+from pagedlearn.attention_inputs import check_decode
+
+MAX_SPLITS = 64
+
+
+@triton.jit
+def _paged_decode_kernel(
+    out_ptr,  # (num_seqs, num_heads, head_dim), written when NUM_SPLITS == 1
+    part_out_ptr,  # (num_seqs, num_heads, NUM_SPLITS, head_dim) float32: each split's acc / l
+    part_lse_ptr,  # (num_seqs, num_heads, NUM_SPLITS) float32: each split's m + log(l)
+    q_ptr,  # (num_seqs, num_heads, head_dim)
+    k_cache_ptr,  # (num_blocks, block_size, num_kv_heads, head_dim), contiguous
+    v_cache_ptr,  # same
+    block_tables_ptr,  # (num_seqs, max_blocks_per_seq) int32/int64
+    context_lens_ptr,  # (num_seqs,)
+    scale,
+    stride_q_seq,
+    stride_q_head,
+    stride_o_seq,
+    stride_o_head,
+    stride_cache_block,
+    stride_cache_slot,
+    stride_cache_head,
+    stride_table_seq,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,  # HEAD_DIM rounded up to a power of two >= 16
+    GROUP: tl.constexpr,  # query heads per KV head
+    GROUP_PAD: tl.constexpr,  # GROUP rounded up to a power of two >= 16 (tl.dot's minimum)
+    TILE_N: tl.constexpr,  # tokens per loop iteration
+    NUM_SPLITS: tl.constexpr,
+    UPCAST: tl.constexpr,  # bf16 in the interpreter: compute the dots in float32
+    DOT_PRECISION: tl.constexpr,  # "ieee" for float32, so a GPU does not round to TF32
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    # 1. This split covers tokens [start, end) of the context, cut at whole tiles.
+    context_len = tl.load(context_lens_ptr + seq)
+    per_split = tl.cdiv(tl.cdiv(context_len, NUM_SPLITS), TILE_N) * TILE_N
+    start = split * per_split
+    end = tl.minimum(start + per_split, context_len)  # start >= end: an empty split
+
+    # 2. The GROUP query heads that read this KV head: (GROUP_PAD, HEAD_DIM_PAD), padding zeroed.
+    offs_g = tl.arange(0, GROUP_PAD)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    heads = kv_head * GROUP + offs_g
+    g_mask = offs_g < GROUP
+    d_mask = offs_d < HEAD_DIM
+    seq64 = seq.to(tl.int64)  # int64 before any multiply: offsets can pass 2**31
+    q_offs = seq64 * stride_q_seq + heads[:, None] * stride_q_head + offs_d[None, :]
+    q = tl.load(q_ptr + q_offs, mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    # Online-softmax state, float32, one row per query head.
+    m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)  # running max of the scores
+    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)  # running sum of exp(score - m_i)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], dtype=tl.float32)  # running sum of exp(...) * v
+
+    offs_t = tl.arange(0, TILE_N)
+    table_row = block_tables_ptr + seq64 * stride_table_seq
+    head_off = kv_head.to(tl.int64) * stride_cache_head
+    for tile_start in range(start, end, TILE_N):
+        # 3a. Token t is in logical block t // BLOCK_SIZE, at offset t % BLOCK_SIZE; the block
+        #     table turns the logical block into a physical one. Tokens past `end` (the empty
+        #     slots of the last block, or the next split's tokens) are masked off.
+        pos = tile_start + offs_t  # (TILE_N,)
+        t_mask = pos < end
+        block_ids = tl.load(table_row + pos // BLOCK_SIZE, mask=t_mask, other=0).to(tl.int64)
+        slot_offs = block_ids * stride_cache_block + (pos % BLOCK_SIZE) * stride_cache_slot
+        kv_offs = slot_offs[:, None] + head_off + offs_d[None, :]  # (TILE_N, HEAD_DIM_PAD)
+        kv_mask = t_mask[:, None] & d_mask[None, :]
+
+        # 3b. Scores of this tile, (GROUP_PAD, TILE_N); masked tokens score -inf (weight 0).
+        k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
+        s = tl.where(t_mask[None, :], s, float("-inf"))
+
+        # 3c. Raise the running max and rescale what was summed under the old one. Every tile
+        #     has at least one unmasked token, so m_new is finite and no exp(-inf + inf) occurs.
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp(m_i - m_new)  # 0 on the first tile, where m_i = -inf
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+
+        # 3d. Accumulate the weighted values.
+        v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
+        if UPCAST:
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    # 4. Divide once. An empty split (or a sequence with no keys) has l_i = 0: write zeros, and
+    #    a log-sum-exp of -inf so that the merge gives it weight 0. Never divide by zero.
+    has_keys = l_i > 0
+    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    io_mask = g_mask[:, None] & d_mask[None, :]
+    if NUM_SPLITS == 1:
+        o_offs = seq64 * stride_o_seq + heads[:, None] * stride_o_head + offs_d[None, :]
+        tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=io_mask)
+    else:
+        row = (seq64 * (GROUP * tl.num_programs(1)) + heads) * NUM_SPLITS + split  # (GROUP_PAD,)
+        tl.store(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], out, mask=io_mask)
+        lse = tl.where(has_keys, m_i + tl.log(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+        tl.store(part_lse_ptr + row, lse, mask=g_mask)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    out_ptr,  # (num_seqs, num_heads, head_dim)
+    part_out_ptr,  # (num_seqs, num_heads, NUM_SPLITS, head_dim) float32
+    part_lse_ptr,  # (num_seqs, num_heads, NUM_SPLITS) float32
+    stride_o_seq,
+    stride_o_head,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+):
+    """Combine the splits of one (sequence, head): out = sum_s w_s * out_s / sum_s w_s, with
+    w_s = l_s * exp(m_s - M) = exp(lse_s - M) and M the largest lse (for stability)."""
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    row = seq * tl.num_programs(1) + head
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    s_mask = offs_s < NUM_SPLITS
+    d_mask = offs_d < HEAD_DIM
+    lse = tl.load(part_lse_ptr + row * NUM_SPLITS + offs_s, mask=s_mask, other=float("-inf"))
+    lse_max = tl.max(lse, axis=0)
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # no keys at all: weights all 0
+    w = tl.exp(lse - lse_max)  # (SPLITS_PAD,); 0 for empty splits
+    parts_offs = (row * NUM_SPLITS + offs_s)[:, None] * HEAD_DIM + offs_d[None, :]
+    parts = tl.load(part_out_ptr + parts_offs, mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+    total = tl.sum(w, axis=0)
+    out = tl.sum(w[:, None] * parts, axis=0) / tl.where(total > 0, total, 1.0)
+    o_offs = seq * stride_o_seq + head * stride_o_head + offs_d
+    tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+def suggest_num_splits(num_seqs, num_kv_heads, max_context_len, num_sms, min_tokens=256):
+    """A ``num_splits`` that keeps a GPU busy: about two programs per streaming multiprocessor.
+
+    Without splits the decode grid has ``num_seqs * num_kv_heads`` programs; a batch of 1 with 12
+    KV heads would use 12 of a GPU's ~100 SMs, each streaming a whole context. Splitting the
+    context gives each SM work, at the price of a small merge; a split shorter than
+    ``min_tokens`` tokens is not worth it.
+    """
+    programs = max(num_seqs * num_kv_heads, 1)
+    wanted = -(-2 * num_sms // programs)
+    worth_it = max(max_context_len // min_tokens, 1)
+    return max(1, min(wanted, worth_it, MAX_SPLITS))
+
+
+def paged_attention_decode(
+    q, key_cache, value_cache, block_tables, context_lens, scale=None, num_splits=1
+):
+    """Decode attention over a paged KV cache, in Triton. Same signature and result as
+    :func:`pagedlearn.attention.paged_attention_ref`.
+
+    q: ``(num_seqs, num_heads, head_dim)``, one query token per sequence;
+    key_cache, value_cache: ``(num_blocks, block_size, num_kv_heads, head_dim)``, contiguous;
+    block_tables: int32 ``(num_seqs, max_blocks_per_seq)``; context_lens: int32 ``(num_seqs,)``;
+    scale: defaults to ``1 / sqrt(head_dim)``; num_splits: 1 for one pass over each context, or
+    more for flash-decoding (each sequence's context is cut into ``num_splits`` slices processed
+    in parallel, then merged: worth it when ``num_seqs * num_kv_heads`` is too small to fill a GPU).
+    Returns ``(num_seqs, num_heads, head_dim)`` in q's dtype; a sequence with no keys gets zeros.
+
+    Any block size works; head_dim up to 256; float16, bfloat16 or float32. Bad input raises
+    :class:`~pagedlearn.errors.AttentionInputError` (a ``ValueError``) before anything runs. The
+    *values* of ``block_tables`` / ``context_lens`` are checked on the CPU only (see
+    :mod:`pagedlearn.attention_inputs`).
+    """
+    on_cpu = q.device.type == "cpu" if isinstance(q, torch.Tensor) else True
+    shape = check_decode(q, key_cache, value_cache, block_tables, context_lens, scale, on_cpu)
+    if not isinstance(num_splits, int) or isinstance(num_splits, bool):
+        raise ValueError(f"num_splits must be an int, got {num_splits!r}")
+    if not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits must be between 1 and {MAX_SPLITS}, got {num_splits}")
+    caches = [("key_cache", key_cache), ("value_cache", value_cache)]
+    interpreted = check_launchable(
+        _paged_decode_kernel, "paged_attention_decode", "paged_attention_ref", q, caches
+    )
+    upcast, precision = dot_settings(q.dtype, interpreted)
+
+    num_seqs, num_heads, head_dim = q.shape
+    q = q.contiguous() if q.stride(-1) != 1 else q
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if num_seqs == 0:
+        return out
+    if num_splits > 1:
+        f32 = {"dtype": torch.float32, "device": q.device}
+        part_out = torch.empty(num_seqs, num_heads, num_splits, head_dim, **f32)
+        part_lse = torch.empty(num_seqs, num_heads, num_splits, **f32)
+    else:  # unused by the kernel; any tensor will do
+        part_out = part_lse = out
+    head_dim_pad = next_power_of_2(head_dim)
+    _paged_decode_kernel[(num_seqs, shape.num_kv_heads, num_splits)](
+        out,
+        part_out,
+        part_lse,
+        q,
+        key_cache,
+        value_cache,
+        block_tables,
+        context_lens,
+        shape.scale,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        block_tables.stride(0),
+        BLOCK_SIZE=shape.block_size,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=head_dim_pad,
+        GROUP=shape.group_size,
+        GROUP_PAD=next_power_of_2(shape.group_size),
+        TILE_N=tile_tokens(shape.block_size),
+        NUM_SPLITS=num_splits,
+        UPCAST=upcast,
+        DOT_PRECISION=precision,
+    )
+    if num_splits > 1:
+        _merge_splits_kernel[(num_seqs, num_heads)](
+            out,
+            part_out,
+            part_lse,
+            out.stride(0),
+            out.stride(1),
+            HEAD_DIM=head_dim,
+            HEAD_DIM_PAD=head_dim_pad,
+            NUM_SPLITS=num_splits,
+            SPLITS_PAD=triton.next_power_of_2(num_splits),
+        )
+    return out
+
+
+__all__ = ["paged_attention_decode", "reference", "suggest_num_splits"]
