@@ -2,16 +2,19 @@
 
 Triton compiles ``@triton.jit`` functions for a GPU. Without one, Triton can *interpret* the same
 kernel on the CPU, one program at a time with NumPy, if ``TRITON_INTERPRET=1`` is in the
-environment when the kernel module is imported (Triton decides at ``@triton.jit`` time). That is
-slow, but it runs the very code a GPU would, which is how the tests check the kernels on a laptop:
+environment before Triton is imported: Triton decides at ``@triton.jit`` time, and its own
+library (``tl.cdiv``, the reductions behind ``tl.sum``/``tl.max``) is jitted when ``triton`` is
+imported. That is slow, but it runs the very code a GPU would, which is how the tests check the
+kernels on a laptop:
 
     TRITON_INTERPRET=1 python -c "import kernels; ..."      # or, first thing in a notebook:
-    import os; os.environ["TRITON_INTERPRET"] = "1"         # before importing kernels
+    import os; os.environ["TRITON_INTERPRET"] = "1"         # before importing kernels or triton
 
 This module imports Triton, so only the kernel files import it; ``kernels/__init__.py`` does not.
 """
 
 import triton
+import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from pagedlearn.errors import AttentionInputError, KernelUnavailableError
@@ -31,12 +34,20 @@ def check_launchable(kernel, name: str, reference: str, tensor, caches) -> bool:
     index with their own strides but require to be contiguous (one slab, as the engine allocates).
     """
     interpreted = is_interpreted(kernel)
+    how = (
+        "set TRITON_INTERPRET=1 before triton is imported (e.g. `TRITON_INTERPRET=1 jupyter lab`, "
+        "or os.environ['TRITON_INTERPRET'] = '1' at the top of a notebook, then restart it)"
+    )
     if tensor.device.type == "cpu" and not interpreted:
         raise KernelUnavailableError(
             f"{name} got CPU tensors, but Triton compiles kernels for GPUs. To run it on the CPU, "
-            "set TRITON_INTERPRET=1 before the kernels are imported (e.g. `TRITON_INTERPRET=1 "
-            "jupyter lab`, or os.environ['TRITON_INTERPRET'] = '1' at the top of a notebook), or "
-            f"use the PyTorch reference pagedlearn.attention.{reference}."
+            f"{how}, or use the PyTorch reference pagedlearn.attention.{reference}."
+        )
+    if interpreted and not is_interpreted(tl.cdiv):
+        raise KernelUnavailableError(
+            f"{name}: TRITON_INTERPRET=1 was set after triton was imported, so the kernels are "
+            f"interpreted but Triton's own library is not, and they cannot run. {how[0].upper()}"
+            f"{how[1:]}."
         )
     if tensor.device.type not in ("cpu", "cuda"):
         raise AttentionInputError(f"{name} runs on CUDA or CPU tensors, got {tensor.device}")
@@ -70,14 +81,16 @@ def dot_settings(dtype, interpreted: bool) -> tuple[bool, str]:
 
 
 def tile_tokens(block_size: int) -> int:
-    """How many tokens a kernel streams per loop iteration.
+    """How many tokens a kernel streams per loop iteration: 64, or one whole block if larger.
 
-    ``tl.dot`` needs at least 16 rows and ``tl.arange`` a power of two, so: one whole block per
-    iteration when the block size is a power of two from 16 to 128 (vLLM's usual sizes), and
-    otherwise a power-of-two tile that spans several small blocks or part of a large one. Every
-    token finds its own block through the table, so any block size works.
+    The loop walks the logical blocks a tile at a time; every token in the tile looks up its own
+    block in the table, so any block size works: with block size 16 a tile covers 4 blocks, with
+    block size 1 it covers 64, with 128 it is one block. Why not one block per iteration? Decode
+    is bound by memory bandwidth, and a GPU needs many loads in flight to reach it: 16 tokens of
+    K/V per step is too little. (``tl.dot`` also needs at least 16 rows, and ``tl.arange`` a
+    power of two.) Tiles are capped at 128 tokens to bound registers.
     """
-    return min(max(triton.next_power_of_2(block_size), 16), 128)
+    return min(max(triton.next_power_of_2(block_size), 64), 128)
 
 
 def next_power_of_2(n: int, at_least: int = 16) -> int:

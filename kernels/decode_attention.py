@@ -7,8 +7,9 @@ tests do). One program handles one (sequence, KV head, split):
 1. find which tokens of the context this split covers;
 2. load the query heads that share this KV head (GQA: they are processed together, so each K/V
    tile is read from memory once for the whole group);
-3. loop over the tokens a tile at a time: look up each token's physical block in the block table,
-   load K, score, update the running max / sum / accumulator, load V, accumulate;
+3. loop over the sequence's logical blocks a tile of tokens at a time (``backend.tile_tokens``):
+   look up each token's physical block in the block table, load K, score, update the running
+   max / sum / accumulator, load V, accumulate;
 4. divide once at the end (one split), or write the partial result and its log-sum-exp for
    :func:`_merge_splits_kernel` to combine (flash-decoding, ``num_splits > 1``).
 """

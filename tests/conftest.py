@@ -1,9 +1,9 @@
 """Set-up shared by all tests.
 
 Triton's CPU interpreter: Triton compiles kernels for GPUs, but runs them on the CPU (slowly, with
-NumPy) when ``TRITON_INTERPRET=1`` is in the environment *when the kernels are imported*. Without a
-GPU we set it here, before any test module imports ``kernels``, so plain ``pytest`` is enough. With
-a GPU the kernels compile for real, and the same tests run on it.
+NumPy) when ``TRITON_INTERPRET=1`` is in the environment *before triton is imported*. Without a GPU
+we set it here, before any test module imports ``kernels``, so plain ``pytest`` is enough. With a
+GPU the kernels compile for real, and the same tests run on it.
 """
 
 import os

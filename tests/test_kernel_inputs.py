@@ -145,3 +145,15 @@ def test_kernels_have_the_signatures_of_their_references():
         inspect.signature(attention.write_kv_ref).parameters
     )
     assert kernels.triton_available()
+
+
+def test_setting_the_interpreter_after_importing_triton_is_explained():
+    code = (
+        "import os, triton, torch\n"
+        "os.environ['TRITON_INTERPRET'] = '1'\n"
+        "from kernels import write_kv\n"
+        "c = torch.zeros(1, 1, 1, 16)\n"
+        "write_kv(c[0], c[0], c, c.clone(), torch.tensor([0]))\n"
+    )
+    out = _run(code)
+    assert out.returncode == 1 and "set after triton was imported" in out.stderr
