@@ -42,6 +42,7 @@ check-env: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_block_manager.py
+	$(BIN)/python benchmarks/bench_attention.py
 
 lab: $(STAMP)
 	$(BIN)/jupyter lab notebooks/
