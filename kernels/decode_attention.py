@@ -210,7 +210,9 @@ def paged_attention_decode(
     upcast, precision = dot_settings(q.dtype, interpreted)
 
     num_seqs, num_heads, head_dim = q.shape
+    # The kernel walks head_dim with stride 1 and the index tensors densely; copy rare views.
     q = q.contiguous() if q.stride(-1) != 1 else q
+    block_tables, context_lens = block_tables.contiguous(), context_lens.contiguous()
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if num_seqs == 0:
         return out

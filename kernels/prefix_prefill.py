@@ -164,7 +164,10 @@ def paged_attention_prefill(
     elif longest is not None and max_query_len < longest:
         raise ValueError(f"max_query_len is {max_query_len} but a sequence has {longest} queries")
 
+    # The kernel walks head_dim with stride 1 and the index tensors densely; copy rare views.
     q = q.contiguous() if q.stride(-1) != 1 else q
+    block_tables, context_lens = block_tables.contiguous(), context_lens.contiguous()
+    cu_seqlens_q = cu_seqlens_q.contiguous()
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     num_seqs = len(context_lens)
     if num_seqs == 0 or max_query_len == 0:

@@ -78,7 +78,9 @@ def write_kv(key, value, key_cache, value_cache, slot_mapping):
     num_tokens = key.shape[0]
     if num_tokens == 0:
         return
+    # The kernel walks head_dim with stride 1 and slot_mapping densely; copy rare views.
     key = key.contiguous() if key.stride(-1) != 1 else key
+    slot_mapping = slot_mapping.contiguous()
     value = value.contiguous() if value.stride(-1) != 1 else value
     row = shape.num_kv_heads * shape.head_dim
     _write_kv_kernel[(num_tokens,)](

@@ -201,3 +201,34 @@ def test_gpu_matches_the_cpu_reference(dtype):
         case.context_lens.cpu(),
     )
     assert_close(out.cpu(), cpu)
+
+
+def test_strided_views_of_the_inputs_give_the_same_result():
+    """Views taken out of bigger tensors (as an engine does) must not be read as if dense."""
+    lens = [5, 40, 17]
+    case = make_case(lens, 16, 2, 64)
+    q = make_queries(3, 8, 64)
+    expected = paged_attention_decode(
+        q, case.key_cache, case.value_cache, case.block_tables, case.context_lens
+    )
+    wide = torch.stack([case.block_tables, case.block_tables * 0 - 5], dim=-1)  # interleaved junk
+    lens_2d = torch.stack([case.context_lens, case.context_lens * 0], dim=-1)
+    q_wide = torch.cat([q, q * 0], dim=-1)[..., :64]  # last dim still stride 1, rows strided
+    out = paged_attention_decode(
+        q_wide, case.key_cache, case.value_cache, wide[..., 0], lens_2d[:, 0]
+    )
+    torch.testing.assert_close(out, expected, atol=0, rtol=0)
+    cu = torch.tensor([[0, 9], [1, 9], [3, 9], [4, 9]], dtype=torch.int32, device=DEVICE)[:, 0]
+    prefill = paged_attention_prefill(
+        torch.cat([q_wide, q_wide])[[0, 3, 4, 5]], case.key_cache, case.value_cache,
+        wide[..., 0], cu, lens_2d[:, 0],
+    )  # fmt: skip
+    assert_close(prefill[[0, 2, 3]], expected)
+
+
+def test_sharp_softmax_in_the_test_data():
+    """The queries are scaled so one key dominates: a masking slip moves the output visibly."""
+    case = make_case([300], 16, 1, 64)
+    q = make_queries(1, 1, 64)
+    scores = (q[0, 0] @ case.keys[0][:, 0].T) / 8  # (300,) with the default scale 1/sqrt(64)
+    assert torch.softmax(scores.float(), dim=0).max() > 30 / 300  # 30x the uniform weight
