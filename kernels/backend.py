@@ -80,17 +80,34 @@ def dot_settings(dtype, interpreted: bool) -> tuple[bool, str]:
     return upcast, ("ieee" if dtype == torch.float32 or upcast else "tf32")
 
 
-def tile_tokens(block_size: int) -> int:
-    """How many tokens a kernel streams per loop iteration: 64, or one whole block if larger.
+def tile_tokens(head_dim_pad: int, dtype) -> int:
+    """How many tokens of K/V a kernel streams per loop iteration: 64, fewer for wide rows.
 
-    The loop walks the logical blocks a tile at a time; every token in the tile looks up its own
-    block in the table, so any block size works: with block size 16 a tile covers 4 blocks, with
-    block size 1 it covers 64, with 128 it is one block. Why not one block per iteration? Decode
-    is bound by memory bandwidth, and a GPU needs many loads in flight to reach it: 16 tokens of
-    K/V per step is too little. (``tl.dot`` also needs at least 16 rows, and ``tl.arange`` a
-    power of two.) Tiles are capped at 128 tokens to bound registers.
+    The loop walks a sequence's logical blocks a tile at a time, and every token in the tile
+    looks up its own block in the table, so the tile does not depend on the block size: with
+    block size 16 a 64-token tile covers 4 blocks, with 1 it covers 64, with 256 a quarter of
+    one. Why not one block per iteration? Decode is bound by memory bandwidth, and a GPU needs
+    many loads in flight to reach it: 16 tokens per step is too little. Too many, and the tile
+    no longer fits in registers: so 64 tokens of up to 128 fp16/bf16 values each, halved for
+    head_dim 256 and again for float32. (``tl.dot`` needs at least 16 rows, ``tl.arange`` a
+    power of two.) ``python -m kernels.gpu_compile`` shows the resulting registers and spills.
     """
-    return min(max(triton.next_power_of_2(block_size), 64), 128)
+    import torch
+
+    width = max(head_dim_pad, 128) * (2 if dtype == torch.float32 else 1)
+    return 64 * 128 // width
+
+
+def num_warps(head_dim_pad: int, dtype) -> int:
+    """Warps per program: 4 (128 threads), or 8 when one tile would not fit 4 warps' registers.
+
+    A thread has at most 255 registers; past that the compiler spills to slow local memory.
+    With this rule and :func:`tile_tokens`, ``python -m kernels.gpu_compile`` shows no spills
+    for head_dim 64 to 256 in fp16 and bf16, and a few dozen bytes at most in float32.
+    """
+    import torch
+
+    return 8 if head_dim_pad >= 128 or dtype == torch.float32 else 4
 
 
 def next_power_of_2(n: int, at_least: int = 16) -> int:

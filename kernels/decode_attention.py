@@ -18,9 +18,15 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.backend import check_launchable, dot_settings, next_power_of_2, tile_tokens
+from kernels.backend import (
+    check_launchable,
+    dot_settings,
+    next_power_of_2,
+    num_warps,
+    tile_tokens,
+)
 from pagedlearn.attention import paged_attention_ref as reference  # what the tests compare to
-from pagedlearn.attention_inputs import check_decode
+from pagedlearn.attention_inputs import CacheShape, check_decode
 
 MAX_SPLITS = 64
 
@@ -178,6 +184,34 @@ def suggest_num_splits(num_seqs, num_kv_heads, max_context_len, num_sms, min_tok
     return max(1, min(wanted, worth_it, MAX_SPLITS))
 
 
+def launch_constants(shape: CacheShape, dtype, interpreted: bool, num_splits: int) -> dict:
+    """The ``tl.constexpr`` arguments (and ``num_warps``) of both kernels, for these sizes.
+
+    ``kernels.gpu_compile`` compiles with the same values, so what CI checks is what runs.
+    """
+    upcast, precision = dot_settings(dtype, interpreted)
+    head_dim_pad = next_power_of_2(shape.head_dim)
+    decode = {
+        "BLOCK_SIZE": shape.block_size,
+        "HEAD_DIM": shape.head_dim,
+        "HEAD_DIM_PAD": head_dim_pad,
+        "GROUP": shape.group_size,
+        "GROUP_PAD": next_power_of_2(shape.group_size),
+        "TILE_N": tile_tokens(head_dim_pad, dtype),
+        "NUM_SPLITS": num_splits,
+        "UPCAST": upcast,
+        "DOT_PRECISION": precision,
+        "num_warps": num_warps(head_dim_pad, dtype),  # a launch option, not a constexpr
+    }
+    merge = {
+        "HEAD_DIM": shape.head_dim,
+        "HEAD_DIM_PAD": head_dim_pad,
+        "NUM_SPLITS": num_splits,
+        "SPLITS_PAD": triton.next_power_of_2(num_splits),
+    }
+    return {"decode": decode, "merge": merge}
+
+
 def paged_attention_decode(
     q, key_cache, value_cache, block_tables, context_lens, scale=None, num_splits=1
 ):
@@ -207,7 +241,7 @@ def paged_attention_decode(
     interpreted = check_launchable(
         _paged_decode_kernel, "paged_attention_decode", "paged_attention_ref", q, caches
     )
-    upcast, precision = dot_settings(q.dtype, interpreted)
+    constants = launch_constants(shape, q.dtype, interpreted, num_splits)
 
     num_seqs, num_heads, head_dim = q.shape
     # The kernel walks head_dim with stride 1 and the index tensors densely; copy rare views.
@@ -222,7 +256,6 @@ def paged_attention_decode(
         part_lse = torch.empty(num_seqs, num_heads, num_splits, **f32)
     else:  # unused by the kernel; any tensor will do
         part_out = part_lse = out
-    head_dim_pad = next_power_of_2(head_dim)
     _paged_decode_kernel[(num_seqs, shape.num_kv_heads, num_splits)](
         out,
         part_out,
@@ -241,15 +274,7 @@ def paged_attention_decode(
         key_cache.stride(1),
         key_cache.stride(2),
         block_tables.stride(0),
-        BLOCK_SIZE=shape.block_size,
-        HEAD_DIM=head_dim,
-        HEAD_DIM_PAD=head_dim_pad,
-        GROUP=shape.group_size,
-        GROUP_PAD=next_power_of_2(shape.group_size),
-        TILE_N=tile_tokens(shape.block_size),
-        NUM_SPLITS=num_splits,
-        UPCAST=upcast,
-        DOT_PRECISION=precision,
+        **constants["decode"],
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_seqs, num_heads)](
@@ -258,12 +283,9 @@ def paged_attention_decode(
             part_lse,
             out.stride(0),
             out.stride(1),
-            HEAD_DIM=head_dim,
-            HEAD_DIM_PAD=head_dim_pad,
-            NUM_SPLITS=num_splits,
-            SPLITS_PAD=triton.next_power_of_2(num_splits),
+            **constants["merge"],
         )
     return out
 
 
-__all__ = ["paged_attention_decode", "reference", "suggest_num_splits"]
+__all__ = ["launch_constants", "paged_attention_decode", "reference", "suggest_num_splits"]

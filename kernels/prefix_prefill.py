@@ -19,9 +19,15 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.backend import check_launchable, dot_settings, next_power_of_2, tile_tokens
+from kernels.backend import (
+    check_launchable,
+    dot_settings,
+    next_power_of_2,
+    num_warps,
+    tile_tokens,
+)
 from pagedlearn.attention import paged_attention_prefill_ref as reference
-from pagedlearn.attention_inputs import check_prefill
+from pagedlearn.attention_inputs import CacheShape, check_prefill
 
 BLOCK_M = 32  # query rows per program
 
@@ -123,6 +129,26 @@ def _paged_prefill_kernel(
     )
 
 
+def launch_constants(shape: CacheShape, dtype, interpreted: bool) -> dict:
+    """The kernel's ``tl.constexpr`` arguments (and ``num_warps``) for these sizes.
+
+    ``kernels.gpu_compile`` compiles with the same values, so what CI checks is what runs.
+    """
+    upcast, precision = dot_settings(dtype, interpreted)
+    head_dim_pad = next_power_of_2(shape.head_dim)
+    return {
+        "BLOCK_SIZE": shape.block_size,
+        "HEAD_DIM": shape.head_dim,
+        "HEAD_DIM_PAD": head_dim_pad,
+        "GROUP": shape.group_size,
+        "BLOCK_M": BLOCK_M,
+        "TILE_N": tile_tokens(head_dim_pad, dtype),
+        "UPCAST": upcast,
+        "DOT_PRECISION": precision,
+        "num_warps": num_warps(head_dim_pad, dtype),  # a launch option, not a constexpr
+    }
+
+
 def paged_attention_prefill(
     q,
     key_cache,
@@ -153,7 +179,6 @@ def paged_attention_prefill(
     interpreted = check_launchable(
         _paged_prefill_kernel, "paged_attention_prefill", "paged_attention_prefill_ref", q, caches
     )
-    upcast, precision = dot_settings(q.dtype, interpreted)
     longest = None  # read from the device only when needed: it costs a sync
     if max_query_len is None or on_cpu:
         longest = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()) if len(context_lens) else 0
@@ -190,16 +215,9 @@ def paged_attention_prefill(
         key_cache.stride(1),
         key_cache.stride(2),
         block_tables.stride(0),
-        BLOCK_SIZE=shape.block_size,
-        HEAD_DIM=shape.head_dim,
-        HEAD_DIM_PAD=next_power_of_2(shape.head_dim),
-        GROUP=shape.group_size,
-        BLOCK_M=BLOCK_M,
-        TILE_N=tile_tokens(shape.block_size),
-        UPCAST=upcast,
-        DOT_PRECISION=precision,
+        **launch_constants(shape, q.dtype, interpreted),
     )
     return out
 
 
-__all__ = ["paged_attention_prefill", "reference"]
+__all__ = ["launch_constants", "paged_attention_prefill", "reference"]

@@ -15,7 +15,7 @@ import triton.language as tl
 
 from kernels.backend import check_launchable
 from pagedlearn.attention import write_kv_ref as reference
-from pagedlearn.attention_inputs import check_write_kv
+from pagedlearn.attention_inputs import CacheShape, check_write_kv
 
 
 @triton.jit
@@ -62,6 +62,17 @@ def _write_kv_kernel(
         tl.store(v_cache_ptr + dst, v, mask=mask)
 
 
+def launch_constants(shape: CacheShape) -> dict:
+    """The kernel's ``tl.constexpr`` arguments for these sizes (``kernels.gpu_compile`` too)."""
+    row = shape.num_kv_heads * shape.head_dim
+    return {
+        "BLOCK_SIZE": shape.block_size,
+        "HEAD_DIM": shape.head_dim,
+        "ROW": row,
+        "ROW_PAD": triton.next_power_of_2(row),
+    }
+
+
 def write_kv(key, value, key_cache, value_cache, slot_mapping):
     """Write ``key[i]`` and ``value[i]`` into slot ``slot_mapping[i]`` of the caches, in place.
 
@@ -82,7 +93,6 @@ def write_kv(key, value, key_cache, value_cache, slot_mapping):
     key = key.contiguous() if key.stride(-1) != 1 else key
     slot_mapping = slot_mapping.contiguous()
     value = value.contiguous() if value.stride(-1) != 1 else value
-    row = shape.num_kv_heads * shape.head_dim
     _write_kv_kernel[(num_tokens,)](
         key,
         value,
@@ -96,11 +106,8 @@ def write_kv(key, value, key_cache, value_cache, slot_mapping):
         key_cache.stride(0),
         key_cache.stride(1),
         key_cache.stride(2),
-        BLOCK_SIZE=shape.block_size,
-        HEAD_DIM=shape.head_dim,
-        ROW=row,
-        ROW_PAD=triton.next_power_of_2(row),
+        **launch_constants(shape),
     )
 
 
-__all__ = ["reference", "write_kv"]
+__all__ = ["launch_constants", "reference", "write_kv"]
