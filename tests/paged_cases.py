@@ -18,6 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels import paged_attention_decode
+from pagedlearn.attention import paged_attention_ref
+
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRETED else "cpu"
 TOL = {  # (atol, rtol) against the float32 references; fp16/bf16 round their outputs
@@ -86,3 +89,11 @@ def context_lens_for(block_size: int) -> list[int]:
 def assert_close(actual, expected):
     atol, rtol = TOL[expected.dtype]
     torch.testing.assert_close(actual.float(), expected.float(), atol=atol, rtol=rtol)
+
+
+def decode_both(lens, block_size, heads, kv_heads, head_dim, dtype, num_splits=1, seed=0):
+    """(kernel output, reference output) for decode over a fresh random case."""
+    case = make_case(lens, block_size, kv_heads, head_dim, dtype, seed=seed)
+    q = make_queries(len(lens), heads, head_dim, dtype, seed=seed + 1)
+    args = (q, case.key_cache, case.value_cache, case.block_tables, case.context_lens)
+    return paged_attention_decode(*args, num_splits=num_splits), paged_attention_ref(*args)

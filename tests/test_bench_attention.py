@@ -35,3 +35,12 @@ def test_attention_benchmark_runs_its_tiny_case_and_matches_the_reference():
     assert [n for n, _ in errors] == ["1", "2"], out.stdout
     assert all(float(err) < 1e-4 for _, err in errors), errors
     assert "FlexAttention paged (eager, CPU, same blocks): " in out.stdout  # a figure or n/a
+
+
+def test_gpu_check_script_is_valid_and_names_existing_tests():
+    script = ROOT / "benchmarks" / "gpu_check.sh"
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    named = re.findall(r"tests/\S+\.py", script.read_text())
+    assert named and all((ROOT / path).exists() for path in named)
+    kernel_tests = {p.name for p in (ROOT / "tests").glob("test_kernel*.py")}
+    assert kernel_tests <= {Path(p).name for p in named}

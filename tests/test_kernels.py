@@ -7,9 +7,14 @@ cases are marked ``slow`` (``make test-all`` runs them).
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
-from paged_cases import DEVICE, assert_close, context_lens_for, make_case, make_queries
+from paged_cases import (
+    DEVICE,
+    assert_close,
+    context_lens_for,
+    decode_both,
+    make_case,
+    make_queries,
+)
 
 from kernels import paged_attention_decode, paged_attention_prefill, write_kv
 from pagedlearn import KVCacheManager
@@ -22,13 +27,6 @@ from pagedlearn.attention import (
 
 HEADS = [(12, 12), (8, 2)]  # GPT-2/OPT-style multi-head, and grouped-query (4 heads per KV head)
 DTYPES = [torch.float32, torch.float16]
-
-
-def decode_both(lens, block_size, heads, kv_heads, head_dim, dtype, num_splits=1, seed=0):
-    case = make_case(lens, block_size, kv_heads, head_dim, dtype, seed=seed)
-    q = make_queries(len(lens), heads, head_dim, dtype, seed=seed + 1)
-    args = (q, case.key_cache, case.value_cache, case.block_tables, case.context_lens)
-    return paged_attention_decode(*args, num_splits=num_splits), paged_attention_ref(*args)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -234,27 +232,3 @@ def test_sharp_softmax_in_the_test_data():
     q = make_queries(1, 1, 64)
     scores = (q[0, 0] @ case.keys[0][:, 0].T) / 8  # (300,) with the default scale 1/sqrt(64)
     assert torch.softmax(scores.float(), dim=0).max() > 30 / 300  # 30x the uniform weight
-
-
-@settings(max_examples=25, deadline=None)
-@given(
-    lens=st.lists(st.integers(0, 80), min_size=1, max_size=3),
-    block_size=st.integers(1, 40),
-    group=st.sampled_from([(2, 2), (4, 1), (6, 2)]),
-    head_dim=st.sampled_from([16, 24, 32]),
-    num_splits=st.integers(1, 5),
-    seed=st.integers(0, 2**16),
-)
-def test_decode_and_prefill_on_random_shapes(lens, block_size, group, head_dim, num_splits, seed):
-    """Odd block sizes and head dims, empty sequences, any split count: all equal the reference."""
-    heads, kv_heads = group
-    out, ref = decode_both(lens, block_size, heads, kv_heads, head_dim, torch.float32,
-                           num_splits=num_splits, seed=seed)  # fmt: skip
-    assert_close(out, ref)
-    case = make_case(lens, block_size, kv_heads, head_dim, seed=seed)
-    q_lens = [min(n, 1 + seed % 7) for n in lens]  # a few new tokens after a cached prefix
-    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
-    q = make_queries(sum(q_lens), heads, head_dim, seed=seed)
-    args = (q, case.key_cache, case.value_cache, case.block_tables, cu.to(DEVICE),
-            case.context_lens)  # fmt: skip
-    assert_close(paged_attention_prefill(*args), paged_attention_prefill_ref(*args))

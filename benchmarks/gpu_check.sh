@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Every GPU check of the kernels in one go, for a machine with a CUDA GPU where torch, triton and
+# pytest are installed (no venv, no network needed; run from the repository root):
+#   1. the kernel and reference tests, compiled on the GPU, including the `slow` and `gpu` tiers
+#      (bf16 natively, fp32 against the CPU reference, a cache past 2**31 elements);
+#   2. the attention benchmark table (add --quick for fewer rows, --no-flex to skip FlexAttention).
+# Usage: bash benchmarks/gpu_check.sh [bench options]     Exit status: the tests'.
+set -u
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+unset TRITON_INTERPRET  # compile for the GPU; the interpreter would test nothing new
+PY=${PYTHON:-python}
+$PY -c "import torch; assert torch.cuda.is_available(), 'no CUDA GPU here'" || exit 1
+$PY -c "import torch, triton; print(torch.cuda.get_device_name(0), torch.__version__, triton.__version__)"
+$PY -m pytest -q -m "" -p no:cacheprovider -o addopts="" \
+    tests/test_attention.py tests/test_kernels.py tests/test_kernel_inputs.py \
+    tests/test_kernels_random.py
+status=$?
+$PY benchmarks/bench_attention.py "$@"
+exit $status
