@@ -1,4 +1,4 @@
-"""Command line: ``python -m pagedlearn {demo, check-env}`` (also installed as ``pagedlearn``)."""
+"""Command line: ``python -m pagedlearn {demo, check-env, paper}`` (also ``pagedlearn ...``)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,15 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
     env = sub.add_parser("check-env", help="print [OK]/[FAIL] per dependency, GPU and Triton")
     env.add_argument("--no-dev", action="store_true", help="skip the dev tools")
+    paper = sub.add_parser("paper", help="recompute the paper's memory figures beside its numbers")
+    paper.add_argument("--quick", action="store_true", help="fewer requests and sweep points")
     args = parser.parse_args(argv)
+
+    if args.command == "paper":
+        from pagedlearn.sim.paper import report
+
+        report(quick=args.quick)
+        return 0
 
     if args.command == "demo":
         from pagedlearn.demo import run_demo

@@ -1,0 +1,166 @@
+"""The paper's memory experiments, recomputed with the project's own allocator, beside its numbers.
+
+Kwon et al., SOSP 2023 (arXiv 2309.06180). Setting: OPT-13B on one A100-40GB with a 12 GB KV
+budget; one token's K/V takes 2 (K and V) x 5120 (hidden) x 40 (layers) x 2 bytes = 800 KiB, so
+the pool holds 12 GiB / 800 KiB = 15,728 token slots ("15.7K"). Each experiment returns a tidy
+table (a list of dicts, one per row) with the paper's number beside ours.
+"""
+
+from functools import lru_cache
+
+from pagedlearn.sim.simulator import ContiguousMemory, PagedMemory, simulate
+from pagedlearn.sim.workloads import paper_workload
+
+BYTES_PER_TOKEN = 2 * 5120 * 40 * 2  # OPT-13B, fp16: 819,200 bytes
+POOL_SLOTS = 12 * 2**30 // BYTES_PER_TOKEN  # 15,728
+SYSTEMS = ("max", "pow2", "oracle", "vllm")
+# Requests per saturated run. A saturated server's batch drifts towards long requests (they stay
+# longest) and settles after several lifetimes of the longest ones; at these sizes doubling the
+# run moves no batch size by more than ~2%.
+NUM_REQUESTS = {"sharegpt": 2000, "alpaca": 4000}
+
+# Figure 2: % of KV memory (token states, reserved, internal frag., external frag. and other).
+PAPER_FIG2 = {
+    "max": (20.4, 13.3, 57.3, 8.9),
+    "pow2": (26.8, 17.9, 13.6, 41.6),
+    "oracle": (38.2, 25.2, 0.0, 36.6),
+    "vllm": (96.3, None, None, None),  # the other 3.7% is not broken down in the paper
+}
+# Figure 13: average number of batched requests, OPT-13B (ShareGPT at 2 req/s, Alpaca at 30).
+PAPER_FIG13 = {
+    "sharegpt": {"max": 7.00, "pow2": 9.81, "oracle": 13.62, "vllm": 30.42},
+    "alpaca": {"max": 7.00, "pow2": 43.24, "oracle": 72.75, "vllm": 132.44},
+}
+
+
+def make_memory(system: str, pool_slots: int = POOL_SLOTS, block_size: int = 16):
+    """The memory model behind a system name: "max", "pow2", "oracle" or "vllm"."""
+    if system == "vllm":
+        return PagedMemory(pool_slots, block_size)
+    return ContiguousMemory(pool_slots, system)
+
+
+@lru_cache(maxsize=64)
+def run(system, workload, num_requests, spread=1.0, seed=0, pool_slots=POOL_SLOTS, block_size=16):
+    """One saturated simulation (cached: Figures 2 and 13 read the same runs)."""
+    requests = paper_workload(workload, num_requests, spread=spread, seed=seed)
+    return simulate(requests, make_memory(system, pool_slots, block_size))
+
+
+def figure2(workload="sharegpt", num_requests=None, spread=1.0, seed=0, pool_slots=POOL_SLOTS):
+    """Figure 2: where the KV memory goes, per system, averaged over the steps under load.
+
+    The server is saturated (every request arrives at once), as in the paper's measurement; the
+    average covers the steps with a queue, when free memory is memory no one can use.
+    """
+    num_requests = num_requests or NUM_REQUESTS[workload]
+    rows = []
+    for system in SYSTEMS:
+        b = run(system, workload, num_requests, spread, seed, pool_slots).mean_breakdown()
+        paper = PAPER_FIG2[system]
+        rows.append(
+            {
+                "system": system,
+                "token_states": b["token_states"],
+                "reserved": b["reserved"],
+                "internal": b["internal"],
+                "external_and_other": b["buddy_rounding"] + b["free"],
+                "buddy_rounding": b["buddy_rounding"],
+                "paper_token_states": paper[0],
+                "paper_reserved": paper[1],
+                "paper_internal": paper[2],
+                "paper_external_and_other": paper[3],
+            }
+        )
+    return rows
+
+
+def figure13(workload="sharegpt", num_requests=None, spread=1.0, seed=0, pool_slots=POOL_SLOTS):
+    """Figure 13: the average number of requests batched together, per system.
+
+    Saturated arrivals: the paper's rates (2 req/s ShareGPT, 30 req/s Alpaca) sit where its
+    systems are memory-bound, and the batch size a memory model allows does not depend on how
+    long a step takes. ``preemptions`` counts vLLM's recompute preemptions.
+    """
+    num_requests = num_requests or NUM_REQUESTS[workload]
+    rows = []
+    for system in SYSTEMS:
+        result = run(system, workload, num_requests, spread, seed, pool_slots)
+        rows.append(
+            {
+                "system": system,
+                "mean_batch": result.mean_batch(),
+                "paper_mean_batch": PAPER_FIG13[workload][system],
+                "preemptions": result.preemptions,
+                "finished": result.finished,
+            }
+        )
+    return rows
+
+
+def spread_sensitivity(workload="sharegpt", spreads=(0.5, 0.75, 1.0, 1.25, 1.5), **kwargs):
+    """Figure 13's batch sizes as the length distribution's spread varies (sigma x spread).
+
+    The spread was fixed before any experiment ran (see ``workloads``); this shows how much the
+    conclusions depend on that choice instead of tuning it to the paper.
+    """
+    rows = []
+    for spread in spreads:
+        for row in figure13(workload, spread=spread, **kwargs):
+            rows.append({"spread": spread, **row})
+    return rows
+
+
+def figure18b(workload="sharegpt", block_sizes=(1, 2, 4, 8, 16, 32, 64, 128, 256), **kwargs):
+    """Figure 18b, the memory side: paging's internal waste and batch size vs block size."""
+    num_requests = kwargs.pop("num_requests", None) or NUM_REQUESTS[workload]
+    rows = []
+    for block_size in block_sizes:
+        result = run("vllm", workload, num_requests, block_size=block_size, **kwargs)
+        b = result.mean_breakdown()
+        rows.append(
+            {
+                "block_size": block_size,
+                "mean_batch": result.mean_batch(),
+                "token_states": b["token_states"],
+                "internal": b["internal"],
+                "preemptions": result.preemptions,
+            }
+        )
+    return rows
+
+
+def format_rows(rows, digits=1) -> str:
+    """A plain-text table of tidy rows (floats rounded, None as '-')."""
+    if not rows:
+        return "(no rows)"
+    keys = list(rows[0])
+
+    def cell(v):
+        if v is None:
+            return "-"
+        return f"{v:.{digits}f}" if isinstance(v, float) else str(v)
+
+    cells = [[cell(r[k]) for k in keys] for r in rows]
+    widths = [max(len(k), *(len(c[i]) for c in cells)) for i, k in enumerate(keys)]
+    lines = ["  ".join(k.rjust(w) for k, w in zip(keys, widths, strict=True))]
+    lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in cells]
+    return "\n".join(lines)
+
+
+def report(quick: bool = False, out=print) -> None:
+    """Run every experiment and print ours beside the paper's (``python -m pagedlearn paper``)."""
+    n_share, n_alpaca = (300, 800) if quick else (NUM_REQUESTS["sharegpt"], NUM_REQUESTS["alpaca"])
+    out(f"OPT-13B KV pool: 12 GiB / {BYTES_PER_TOKEN:,} bytes per token = {POOL_SLOTS:,} slots")
+    out("\nFigure 2 -- % of the KV pool, ShareGPT-like, saturated (paper_* = Kwon et al.)")
+    out(format_rows(figure2("sharegpt", n_share)))
+    for workload, n in (("sharegpt", n_share), ("alpaca", n_alpaca)):
+        out(f"\nFigure 13 -- average batched requests, {workload}-like, saturated")
+        out(format_rows(figure13(workload, n), digits=2))
+    spreads = (0.5, 1.0, 1.5) if quick else (0.5, 0.75, 1.0, 1.25, 1.5)
+    rows = spread_sensitivity("sharegpt", spreads, num_requests=n_share)
+    out("\nSensitivity -- Figure 13 (ShareGPT-like) as the length spread varies (1.0 = ours)")
+    out(format_rows([{k: r[k] for k in ("spread", "system", "mean_batch")} for r in rows], 2))
+    for workload, n in (("sharegpt", n_share), ("alpaca", n_alpaca)):
+        out(f"\nFigure 18b (memory side) -- paging vs block size, {workload}-like")
+        out(format_rows(figure18b(workload, num_requests=n)))

@@ -1,0 +1,242 @@
+"""An iteration-level serving simulator over two memory models: contiguous reservation and paging.
+
+The loop is Orca's and vLLM's (iteration-level scheduling), with no model attached: every step
+
+1. admits waiting requests first-come-first-served while memory allows (it stops at the first
+   that does not fit: no skipping ahead), up to ``max_num_seqs`` running;
+2. records where every token slot of the pool is (a :class:`Snapshot`);
+3. advances every running request by one token, growing its KV cache;
+4. retires the requests that have generated their ``output_len`` tokens.
+
+Only *memory* is simulated. Which requests are running together, and so the batch size, follows
+from memory alone; how long a step takes does not matter for it (arrival times are in steps:
+``step_seconds`` converts Poisson arrivals given in seconds).
+
+Two memory models, one interface (``admit`` / ``grow`` / ``release`` / ``breakdown``):
+
+- :class:`ContiguousMemory` -- Orca-style: at admission a request reserves one contiguous run of
+  slots for its whole lifetime from a :class:`~pagedlearn.sim.buddy.BuddyAllocator`. Policies
+  (Kwon et al., Section 2.3 and Figure 2): ``max`` reserves the model's limit (prompt +
+  ``max_tokens``, 2048 in the paper); ``pow2`` reserves the prompt plus the true output length
+  rounded up to a power of two (at most 2x over); ``oracle`` reserves exactly the final length.
+- :class:`PagedMemory` -- vLLM: the project's real :class:`~pagedlearn.KVCacheManager`. Blocks
+  are taken one at a time as tokens arrive; when a step cannot get a block, the most recently
+  arrived running request is preempted (recompute: its blocks are freed and it waits again at
+  the front of the queue, with the tokens it generated kept as part of its prompt).
+
+Where a slot is, in the paper's Figure 2 words (:meth:`breakdown`):
+
+- **token states**: slots holding the KV of a token already processed;
+- **reserved**: slots a request holds for tokens it *will* generate;
+- **internal fragmentation**: slots a request holds that it will never use (its reservation
+  minus its final length; for paging, the empty tail of each request's last block);
+- **buddy rounding**: slots the buddy allocator adds to round a reservation up to a power of two;
+- **free**: slots nobody holds. Under load (requests waiting) these are free but unusable: the
+  paper counts rounding and free together as "external fragmentation and other".
+"""
+
+from collections import deque
+from dataclasses import dataclass
+
+from pagedlearn.errors import OutOfBlocksError, PagedLearnError
+from pagedlearn.kv_cache_manager import KVCacheManager
+from pagedlearn.sim.buddy import BuddyAllocator
+
+CATEGORIES = ("token_states", "reserved", "internal", "buddy_rounding", "free")
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+@dataclass
+class Snapshot:
+    """The pool at one step, in token slots (the categories sum to the pool size)."""
+
+    step: int
+    running: int
+    waiting: int
+    token_states: int
+    reserved: int
+    internal: int
+    buddy_rounding: int
+    free: int
+
+
+class ContiguousMemory:
+    """Orca-style reservation: one contiguous run of slots per request, from a buddy allocator."""
+
+    def __init__(self, num_slots: int, policy: str, max_context: int = 2048):
+        if policy not in ("max", "pow2", "oracle"):
+            raise ValueError(f"policy must be 'max', 'pow2' or 'oracle', got {policy!r}")
+        self.name = f"Orca ({policy.capitalize() if policy != 'pow2' else 'Pow2'})"
+        self.policy, self.max_context = policy, max_context
+        self.buddy = BuddyAllocator(num_slots)
+        self.held = {}  # request_id -> (offset, requested slots)
+
+    def reservation(self, req, length: int) -> int:
+        """Slots requested for ``req``, whose prompt (plus tokens kept) is ``length`` long."""
+        limit = req.prompt_len + req.max_tokens
+        if self.policy == "max":
+            return limit
+        if self.policy == "pow2":
+            return min(req.prompt_len + next_pow2(req.output_len), limit)
+        return req.final_len  # oracle
+
+    def admit(self, req, length: int) -> bool:
+        size = self.reservation(req, length)
+        offset = self.buddy.allocate(size)
+        if offset is None:
+            return False
+        self.held[req.request_id] = (offset, size)
+        return True
+
+    def grow(self, req, length: int) -> bool:
+        return True  # everything was reserved up front
+
+    def release(self, req) -> None:
+        offset, _ = self.held.pop(req.request_id)
+        self.buddy.free(offset)
+
+    def breakdown(self, running_lengths) -> dict:
+        """``running_lengths``: (request, tokens in the cache now) for every running request."""
+        out = dict.fromkeys(CATEGORIES, 0)
+        for req, length in running_lengths:
+            offset, size = self.held[req.request_id]
+            out["token_states"] += length
+            out["reserved"] += req.final_len - length
+            out["internal"] += size - req.final_len
+            out["buddy_rounding"] += self.buddy.allocated_size(offset) - size
+        out["free"] = self.buddy.num_free_slots
+        return out
+
+
+class PagedMemory:
+    """vLLM-style paging on the project's own :class:`KVCacheManager` (block size 16 default)."""
+
+    def __init__(self, num_slots: int, block_size: int = 16):
+        self.name = f"vLLM (block {block_size})"
+        self.block_size = block_size
+        self.kv = KVCacheManager(num_slots // block_size, block_size, enable_prefix_caching=False)
+        self.num_slots = num_slots
+
+    def admit(self, req, length: int) -> bool:
+        try:  # token values do not matter without prefix caching; only their count does
+            self.kv.add_sequence(req.request_id, [0] * length)
+        except OutOfBlocksError:
+            return False
+        return True
+
+    def grow(self, req, length: int) -> bool:
+        try:
+            self.kv.append_token(req.request_id, 0)
+        except OutOfBlocksError:
+            return False
+        return True
+
+    def release(self, req) -> None:
+        self.kv.free_sequence(req.request_id)
+
+    def breakdown(self, running_lengths) -> dict:
+        out = dict.fromkeys(CATEGORIES, 0)
+        for req, length in running_lengths:
+            out["token_states"] += length
+            out["internal"] += len(self.kv.block_table(req.request_id)) * self.block_size - length
+        # Slots past the last whole block (num_slots not a multiple of block_size) are never
+        # usable; count them as free so that the categories still sum to the pool.
+        out["free"] = self.num_slots - out["token_states"] - out["internal"]
+        return out
+
+
+@dataclass
+class SimResult:
+    name: str
+    snapshots: list
+    finished: int
+    preemptions: int
+    steps: int
+    warmup: int = 0  # steps left out of the averages: the batch has not turned over yet
+
+    def loaded(self) -> list:
+        """The steady steps under load: past the warm-up, with requests waiting (memory-bound).
+
+        At step 0 of a saturated run every admitted request is fresh (prompt only, nothing
+        generated), which is not what a server that has been running looks like; after about
+        one mean output length the running batch has turned over.
+        """
+        steady = [s for s in self.snapshots if s.step >= self.warmup]
+        return [s for s in steady if s.waiting > 0] or steady or self.snapshots
+
+    def mean_batch(self) -> float:
+        steps = self.loaded()
+        return sum(s.running for s in steps) / len(steps)
+
+    def mean_breakdown(self) -> dict:
+        """Each category's average share of the pool (%) over the loaded steps."""
+        steps = self.loaded()
+        pool = sum(getattr(steps[0], c) for c in CATEGORIES)
+        return {c: 100 * sum(getattr(s, c) for s in steps) / len(steps) / pool for c in CATEGORIES}
+
+
+def simulate(requests, memory, max_num_seqs=256, step_seconds=None, max_steps=None) -> SimResult:
+    """Serve ``requests`` (sorted by arrival) with ``memory``; return every step's snapshot.
+
+    ``step_seconds``: how long one iteration takes, to turn arrival times (seconds) into steps;
+    ``None`` lets every request arrive at step 0. ``max_steps`` stops early.
+    """
+    arrivals = deque(sorted(requests, key=lambda r: r.arrival))
+    waiting = deque()  # (request, tokens to prefill: prompt + anything generated before)
+    running = []  # [request, tokens in the cache, tokens generated], in arrival order
+    snapshots, finished, preemptions, step = [], 0, 0, 0
+    while arrivals or waiting or running:
+        now = step * step_seconds if step_seconds else float("inf")
+        while arrivals and arrivals[0].arrival <= now:
+            req = arrivals.popleft()
+            waiting.append((req, req.prompt_len, 0))
+        if not waiting and not running:  # idle: jump to the next arrival
+            step = max(step + 1, int(arrivals[0].arrival / step_seconds))
+            continue
+        # 1. Admit first-come-first-served while memory (and the batch limit) allows.
+        while waiting and len(running) < max_num_seqs:
+            req, length, generated = waiting[0]
+            if not memory.admit(req, length):
+                break
+            waiting.popleft()
+            running.append([req, length, generated])
+        if waiting and not running:  # it will never fit: say so instead of looping forever
+            req = waiting[0][0]
+            raise PagedLearnError(
+                f"request {req.request_id} ({waiting[0][1]} tokens) does not fit in an empty "
+                f"pool ({memory.name})"
+            )
+        # 2. Where every slot of the pool is, this step.
+        parts = memory.breakdown([(r, n) for r, n, _ in running])
+        snapshots.append(Snapshot(step, len(running), len(waiting), **parts))
+        # 3. Every running request produces one token; its KV needs a slot.
+        i = 0
+        while i < len(running):
+            req, length, generated = running[i]
+            if not memory.grow(req, length):
+                if len(running) == 1:  # alone and still out of room: it can never finish
+                    raise PagedLearnError(
+                        f"request {req.request_id} needs more than the whole pool "
+                        f"({memory.name}) at {length + 1} tokens"
+                    )
+                # Preempt the latest arrival (recompute) and retry, as vLLM does.
+                victim, v_length, v_generated = running.pop()
+                memory.release(victim)
+                waiting.appendleft((victim, v_length, v_generated))
+                preemptions += 1
+                continue  # if the victim was this request, the loop ends here
+            running[i] = [req, length + 1, generated + 1]
+            i += 1
+        # 4. Retire the finished.
+        for entry in [e for e in running if e[2] >= e[0].output_len]:
+            memory.release(entry[0])
+            running.remove(entry)
+            finished += 1
+        step += 1
+        if max_steps is not None and step >= max_steps:
+            break
+    warmup = round(sum(r.output_len for r in requests) / max(len(requests), 1))
+    return SimResult(memory.name, snapshots, finished, preemptions, step, warmup)
