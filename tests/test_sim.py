@@ -116,3 +116,21 @@ def test_paper_command_prints_every_experiment():
     text = "\n".join(lines)
     for heading in ("Figure 2", "Figure 13", "Sensitivity", "Figure 18b"):
         assert heading in text
+
+
+@pytest.mark.slow
+def test_readme_shows_what_the_paper_command_computes():
+    """The README's paper-vs-ours numbers are this code's output, not hand-edited."""
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = readme.split("## Do we get the paper's numbers?", 1)[1].split("\n## ", 1)[0]
+    for row in paper.figure2("sharegpt"):
+        ours = [row[k] for k in ("token_states", "reserved", "internal", "external_and_other")]
+        if row["system"] == "vllm":
+            ours = ours[:1]
+        for value in ours:
+            assert f"{value:.1f} /" in section or value == 0, (row["system"], value)
+    for workload in ("sharegpt", "alpaca"):
+        batches = " / ".join(f"{r['mean_batch']:.2f}" for r in paper.figure13(workload))
+        assert batches in section, (workload, batches)
