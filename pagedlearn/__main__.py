@@ -17,12 +17,13 @@ def main(argv: list[str] | None = None) -> int:
     env.add_argument("--no-dev", action="store_true", help="skip the dev tools")
     paper = sub.add_parser("paper", help="recompute the paper's memory figures beside its numbers")
     paper.add_argument("--quick", action="store_true", help="fewer requests and sweep points")
+    paper.add_argument("--figures", default="figures", help="where to write PNGs ('' for none)")
     args = parser.parse_args(argv)
 
     if args.command == "paper":
         from pagedlearn.sim.paper import report
 
-        report(quick=args.quick)
+        report(quick=args.quick, figures_dir=args.figures or None)
         return 0
 
     if args.command == "demo":

@@ -110,12 +110,13 @@ def test_experiments_run_small_and_put_the_papers_numbers_beside_ours():
     assert paper.spread_sensitivity("sharegpt", (0.5, 1.5), num_requests=30)
 
 
-def test_paper_command_prints_every_experiment():
+def test_paper_command_prints_every_experiment_and_draws_it(tmp_path):
     lines = []
-    paper.report(quick=True, out=lines.append)
+    paths = paper.report(quick=True, out=lines.append, figures_dir=tmp_path)
     text = "\n".join(lines)
     for heading in ("Figure 2", "Figure 13", "Sensitivity", "Figure 18b"):
         assert heading in text
+    assert len(paths) == 4 and all(p.stat().st_size > 10_000 for p in paths)
 
 
 @pytest.mark.slow

@@ -148,19 +148,40 @@ def format_rows(rows, digits=1) -> str:
     return "\n".join(lines)
 
 
-def report(quick: bool = False, out=print) -> None:
-    """Run every experiment and print ours beside the paper's (``python -m pagedlearn paper``)."""
-    n_share, n_alpaca = (300, 800) if quick else (NUM_REQUESTS["sharegpt"], NUM_REQUESTS["alpaca"])
+def report(quick: bool = False, out=print, figures_dir=None) -> list:
+    """Run every experiment and print ours beside the paper's (``python -m pagedlearn paper``).
+
+    With ``figures_dir``, also write one PNG per experiment there; returns their paths.
+    """
+    n = {"sharegpt": 300, "alpaca": 800} if quick else NUM_REQUESTS
     out(f"OPT-13B KV pool: 12 GiB / {BYTES_PER_TOKEN:,} bytes per token = {POOL_SLOTS:,} slots")
+    fig2 = figure2("sharegpt", n["sharegpt"])
     out("\nFigure 2 -- % of the KV pool, ShareGPT-like, saturated (paper_* = Kwon et al.)")
-    out(format_rows(figure2("sharegpt", n_share)))
-    for workload, n in (("sharegpt", n_share), ("alpaca", n_alpaca)):
+    out(format_rows(fig2))
+    fig13, fig18b = {}, {}
+    for workload in ("sharegpt", "alpaca"):
+        fig13[workload] = figure13(workload, n[workload])
         out(f"\nFigure 13 -- average batched requests, {workload}-like, saturated")
-        out(format_rows(figure13(workload, n), digits=2))
+        out(format_rows(fig13[workload], digits=2))
     spreads = (0.5, 1.0, 1.5) if quick else (0.5, 0.75, 1.0, 1.25, 1.5)
-    rows = spread_sensitivity("sharegpt", spreads, num_requests=n_share)
+    sensitivity = spread_sensitivity("sharegpt", spreads, num_requests=n["sharegpt"])
     out("\nSensitivity -- Figure 13 (ShareGPT-like) as the length spread varies (1.0 = ours)")
-    out(format_rows([{k: r[k] for k in ("spread", "system", "mean_batch")} for r in rows], 2))
-    for workload, n in (("sharegpt", n_share), ("alpaca", n_alpaca)):
+    keep = ("spread", "system", "mean_batch")
+    out(format_rows([{k: r[k] for k in keep} for r in sensitivity], 2))
+    for workload in ("sharegpt", "alpaca"):
+        fig18b[workload] = figure18b(workload, num_requests=n[workload])
         out(f"\nFigure 18b (memory side) -- paging vs block size, {workload}-like")
-        out(format_rows(figure18b(workload, num_requests=n)))
+        out(format_rows(fig18b[workload]))
+    if figures_dir is None:
+        return []
+    from pagedlearn.sim import plots
+
+    figures = {
+        "paper_fig2_memory_breakdown": plots.plot_figure2(fig2),
+        "paper_fig13_batch_size": plots.plot_figure13(fig13),
+        "paper_fig18b_block_size": plots.plot_figure18b(fig18b),
+        "paper_spread_sensitivity": plots.plot_sensitivity(sensitivity),
+    }
+    paths = plots.save_all(figures, figures_dir)
+    out("\nfigures: " + ", ".join(str(p) for p in paths))
+    return paths

@@ -1,0 +1,138 @@
+"""Figures for the paper experiments: ours beside the paper's, one call per figure.
+
+Each function takes the tidy rows an experiment in :mod:`pagedlearn.sim.paper` returns and gives
+back a matplotlib ``Figure`` (a notebook shows it; :func:`save_all` writes PNGs). They use no
+pyplot, so they neither open windows nor change a notebook's backend.
+Colours are the Okabe-Ito palette, which reads for colour-blind eyes; fonts are at least 10 pt so
+that a figure stays readable on a projector.
+"""
+
+import functools
+
+import matplotlib
+from matplotlib.figure import Figure  # no pyplot: no global state, no backend switching
+
+OKABE_ITO = ["#0072B2", "#E69F00", "#009E73", "#D55E00", "#CC79A7", "#56B4E9", "#F0E442", "#000"]
+LABELS = {"max": "Orca (Max)", "pow2": "Orca (Pow2)", "oracle": "Orca (Oracle)", "vllm": "vLLM"}
+FIG2_PARTS = [  # (column, paper column, label)
+    ("token_states", "paper_token_states", "token states"),
+    ("reserved", "paper_reserved", "reserved"),
+    ("internal", "paper_internal", "internal frag."),
+    ("external_and_other", "paper_external_and_other", "external frag. and other"),
+]
+STYLE = {"font.size": 11, "axes.titlesize": 12, "legend.fontsize": 10}
+
+
+def _styled(draw):
+    """Draw under the project's font sizes without changing the caller's matplotlib settings."""
+
+    @functools.wraps(draw)
+    def wrapper(*args, **kwargs):
+        with matplotlib.rc_context(STYLE):
+            return draw(*args, **kwargs)
+
+    return wrapper
+
+
+@_styled
+def plot_figure2(rows):
+    """Stacked bars: where the KV pool goes, ours (solid) and the paper's (hatched) per system."""
+    fig = Figure(figsize=(9, 4.8))
+    ax = fig.subplots()
+    x = 0
+    ticks, names = [], []
+    for row in rows:
+        for source, offset in (("ours", 0), ("paper", 0.85)):
+            bottom = 0.0
+            for i, (ours, theirs, label) in enumerate(FIG2_PARTS):
+                value = row[ours] if source == "ours" else row[theirs]
+                if value is None:  # the paper breaks down only vLLM's 96.3% of token states
+                    continue
+                first = source == "ours" and row is rows[0]  # one legend entry per part
+                ax.bar(x + offset, value, 0.8, bottom=bottom, color=OKABE_ITO[i],
+                       hatch="//" if source == "paper" else None, edgecolor="white",
+                       label=label if first else None)  # fmt: skip
+                bottom += value
+        ticks += [x, x + 0.85]
+        names += ["ours", "paper"]
+        ax.text(x + 0.425, -13, LABELS[row["system"]], ha="center", va="top", clip_on=False)
+        x += 2.2
+    ax.set_xticks(ticks, names, fontsize=10)
+    ax.set_ylabel("% of the KV-cache pool")
+    ax.set_ylim(0, 100)
+    ax.set_title("Figure 2: where the KV pool goes (ShareGPT-like, OPT-13B)")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.tight_layout()
+    return fig
+
+
+@_styled
+def plot_figure13(rows_by_workload):
+    """Grouped bars: average batched requests per system, ours and the paper's, per workload."""
+    fig = Figure(figsize=(9, 4))
+    axes = fig.subplots(1, len(rows_by_workload))
+    for ax, (workload, rows) in zip(axes, rows_by_workload.items(), strict=True):
+        xs = range(len(rows))
+        ax.bar([x - 0.2 for x in xs], [r["mean_batch"] for r in rows], 0.4,
+               color=OKABE_ITO[0], label="ours")  # fmt: skip
+        ax.bar([x + 0.2 for x in xs], [r["paper_mean_batch"] for r in rows], 0.4,
+               color=OKABE_ITO[1], hatch="//", edgecolor="white", label="paper")  # fmt: skip
+        ax.set_xticks(list(xs), [LABELS[r["system"]].replace(" ", "\n", 1) for r in rows])
+        ax.set_title(f"{workload}-like")
+        ax.set_ylabel("average batched requests")
+    axes[0].legend()
+    fig.suptitle("Figure 13: batch size each memory model allows (saturated server)")
+    fig.tight_layout()
+    return fig
+
+
+@_styled
+def plot_figure18b(rows_by_workload):
+    """Lines: paging's internal waste and batch size as the block size grows."""
+    fig = Figure(figsize=(9, 4))
+    waste, batch = fig.subplots(1, 2)
+    for i, (workload, rows) in enumerate(rows_by_workload.items()):
+        sizes = [r["block_size"] for r in rows]
+        kw = {"color": OKABE_ITO[i], "marker": "o", "label": f"{workload}-like"}
+        waste.plot(sizes, [r["internal"] for r in rows], **kw)
+        batch.plot(sizes, [r["mean_batch"] for r in rows], **kw)
+    for ax, label in ((waste, "internal fragmentation, % of pool"), (batch, "average batch")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("block size (tokens)")
+        ax.set_ylabel(label)
+        ax.legend()
+    fig.suptitle("Figure 18b (memory side): paging vs block size")
+    fig.tight_layout()
+    return fig
+
+
+@_styled
+def plot_sensitivity(rows):
+    """Lines: each system's batch size as the length distribution's spread varies."""
+    fig = Figure(figsize=(6, 4))
+    ax = fig.subplots()
+    for i, system in enumerate(LABELS):
+        mine = [r for r in rows if r["system"] == system]
+        ax.plot([r["spread"] for r in mine], [r["mean_batch"] for r in mine], marker="o",
+                color=OKABE_ITO[i], label=LABELS[system])  # fmt: skip
+    ax.axvline(1.0, color="grey", linestyle=":", label="our choice")
+    ax.set_xlabel("spread (x our sigma)")
+    ax.set_ylabel("average batched requests")
+    ax.set_title("How much the spread we chose matters (ShareGPT-like)")
+    ax.legend()
+    fig.tight_layout()
+    return fig
+
+
+def save_all(figures: dict, directory) -> list:
+    """Write each figure as ``<name>.png`` into ``directory``; return the paths."""
+    from pathlib import Path
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for name, fig in figures.items():
+        path = directory / f"{name}.png"
+        fig.savefig(path, dpi=120)
+        paths.append(path)
+    return paths
