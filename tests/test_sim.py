@@ -114,9 +114,9 @@ def test_paper_command_prints_every_experiment_and_draws_it(tmp_path):
     lines = []
     paths = paper.report(quick=True, out=lines.append, figures_dir=tmp_path)
     text = "\n".join(lines)
-    for heading in ("Figure 2", "Figure 13", "Sensitivity", "Figure 18b"):
+    for heading in ("Figure 2", "Figure 13", "Sensitivity", "Figure 18b", "Figure 15"):
         assert heading in text
-    assert len(paths) == 4 and all(p.stat().st_size > 10_000 for p in paths)
+    assert len(paths) == 5 and all(p.stat().st_size > 10_000 for p in paths)
 
 
 @pytest.mark.slow
@@ -135,3 +135,50 @@ def test_readme_shows_what_the_paper_command_computes():
     for workload in ("sharegpt", "alpaca"):
         batches = " / ".join(f"{r['mean_batch']:.2f}" for r in paper.figure13(workload))
         assert batches in section, (workload, batches)
+
+
+def test_sharing_saves_nothing_alone_and_more_as_beams_refork():
+    from pagedlearn.sim import sharing
+
+    assert sharing.savings("alpaca", "parallel", 1, num_requests=30) == 0.0
+    prompt_only = sharing.savings("alpaca", "beam", 4, divergence=0.0, num_requests=30)
+    reforking = sharing.savings("alpaca", "beam", 4, divergence=0.2, num_requests=30)
+    parallel = sharing.savings("alpaca", "parallel", 4, num_requests=30)
+    assert 0 < parallel < reforking and 0 < prompt_only < reforking
+    with pytest.raises(ValueError, match="mode"):
+        sharing.savings("alpaca", "speculative", 2)
+    with pytest.raises(ValueError, match="width"):
+        sharing.savings("alpaca", "beam", 0)
+
+
+def test_a_beam_request_runs_on_the_real_manager_with_copy_on_write():
+    import random
+
+    from pagedlearn.sim import sharing
+
+    req = Request(0, 0.0, prompt_len=20, output_len=30, max_tokens=100)
+    used, unshared = sharing.run_request(req, "beam", 3, [30] * 3, 0.3, 16, random.Random(0))
+    assert 0 < used < unshared  # sharing saved blocks (and run_request checked the invariants)
+
+
+def test_figure15_puts_the_papers_numbers_beside_ours():
+    from pagedlearn.sim import sharing
+
+    rows = sharing.figure15(widths=(2,), num_requests=20)
+    assert [(r["workload"], r["mode"]) for r in rows] == [
+        ("alpaca", "parallel"), ("alpaca", "beam"), ("sharegpt", "parallel"), ("sharegpt", "beam")
+    ]  # fmt: skip
+    assert rows[1]["paper_saved_pct"] == 37.56 and rows[3]["paper_saved_pct"] == "44.3-66.3"
+
+
+@pytest.mark.slow
+def test_readme_shows_the_figure15_that_the_code_computes():
+    from pathlib import Path
+
+    from pagedlearn.sim import sharing
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    rows = sharing.figure15(workloads=("alpaca",), num_requests=300)
+    for mode, label in (("parallel", "parallel sampling"), ("beam", "beam search")):
+        ours = " / ".join(f"{r['saved_pct']:.1f}" for r in rows if r["mode"] == mode)
+        assert f"{label}: {ours} vs" in readme, (mode, ours)

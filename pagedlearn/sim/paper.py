@@ -172,6 +172,15 @@ def report(quick: bool = False, out=print, figures_dir=None) -> list:
         fig18b[workload] = figure18b(workload, num_requests=n[workload])
         out(f"\nFigure 18b (memory side) -- paging vs block size, {workload}-like")
         out(format_rows(fig18b[workload]))
+    from pagedlearn.sim import sharing
+
+    per_request = 60 if quick else 300
+    fig15 = sharing.figure15(num_requests=per_request)
+    out(f"\nFigure 15 -- % memory saved by sharing (beam divergence {sharing.DIVERGENCE})")
+    out(format_rows(fig15))
+    sweep = sharing.divergence_sweep("alpaca", 4, num_requests=per_request)
+    out("\nBeam model sensitivity -- Alpaca-like, width 4, vs divergence (our choice: 0.1)")
+    out(format_rows(sweep, digits=2))
     if figures_dir is None:
         return []
     from pagedlearn.sim import plots
@@ -179,6 +188,7 @@ def report(quick: bool = False, out=print, figures_dir=None) -> list:
     figures = {
         "paper_fig2_memory_breakdown": plots.plot_figure2(fig2),
         "paper_fig13_batch_size": plots.plot_figure13(fig13),
+        "paper_fig15_sharing": plots.plot_figure15(fig15),
         "paper_fig18b_block_size": plots.plot_figure18b(fig18b),
         "paper_spread_sensitivity": plots.plot_sensitivity(sensitivity),
     }
