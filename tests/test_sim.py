@@ -114,9 +114,9 @@ def test_paper_command_prints_every_experiment_and_draws_it(tmp_path):
     lines = []
     paths = paper.report(quick=True, out=lines.append, figures_dir=tmp_path)
     text = "\n".join(lines)
-    for heading in ("Figure 2", "Figure 13", "Sensitivity", "Figure 18b", "Figure 15"):
+    for heading in ("Figure 2", "Figure 13", "Sensitivity", "Figure 18b", "Figure 15", "Prefix"):
         assert heading in text
-    assert len(paths) == 5 and all(p.stat().st_size > 10_000 for p in paths)
+    assert len(paths) == 6 and all(p.stat().st_size > 10_000 for p in paths)
 
 
 @pytest.mark.slow
@@ -182,3 +182,31 @@ def test_readme_shows_the_figure15_that_the_code_computes():
     for mode, label in (("parallel", "parallel sampling"), ("beam", "beam search")):
         ours = " / ".join(f"{r['saved_pct']:.1f}" for r in rows if r["mode"] == mode)
         assert f"{label}: {ours} vs" in readme, (mode, ours)
+
+
+def test_prefix_caching_hits_shared_prompts_and_chat_histories():
+    from pagedlearn.sim import prefix
+
+    rows = {r["cache"]: r for r in prefix.prefix_caching("shared-prompt", 120)}
+    assert rows["off"]["hit_rate_pct"] == 0 and rows["off"]["memory_saved_pct"] == 0
+    assert rows["cold"]["hit_rate_pct"] > 10 and rows["cold"]["memory_saved_pct"] > 0
+    few = {r["cache"]: r for r in prefix.prefix_caching("multi-turn", 60)}  # 10 chats
+    many = {r["cache"]: r for r in prefix.prefix_caching("multi-turn", 300)}  # 50 chats
+    assert few["cold"]["hit_rate_pct"] > 3 * many["cold"]["hit_rate_pct"]  # LRU pressure
+    with pytest.raises(ValueError, match="stream"):
+        prefix.prefix_caching("rag")
+
+
+def test_a_chat_turn_waits_for_the_previous_one():
+    from pagedlearn.sim.workloads import multi_turn_workload
+
+    requests = multi_turn_workload(3, turns=2)
+    second = requests[3]
+    assert second.after == 0 and second.prompt_tokens[: requests[0].final_len] == (
+        requests[0].prompt_tokens + requests[0].output_tokens
+    )
+    result = simulate(requests, PagedMemory(4096, enable_prefix_caching=True))
+    assert result.finished == 6
+    blocked = Request(7, 0.0, 4, 4, 4, after=99)  # waits for a request that does not exist
+    with pytest.raises(PagedLearnError, match="never finish"):
+        simulate([blocked], PagedMemory(256))

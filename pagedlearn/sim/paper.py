@@ -181,6 +181,11 @@ def report(quick: bool = False, out=print, figures_dir=None) -> list:
     sweep = sharing.divergence_sweep("alpaca", 4, num_requests=per_request)
     out("\nBeam model sensitivity -- Alpaca-like, width 4, vs divergence (our choice: 0.1)")
     out(format_rows(sweep, digits=2))
+    from pagedlearn.sim import prefix
+
+    caching = prefix.experiment(quick)
+    out("\nPrefix caching -- hit rate, memory saved by sharing, batch (not in the paper)")
+    out(format_rows(caching))
     if figures_dir is None:
         return []
     from pagedlearn.sim import plots
@@ -191,6 +196,7 @@ def report(quick: bool = False, out=print, figures_dir=None) -> list:
         "paper_fig15_sharing": plots.plot_figure15(fig15),
         "paper_fig18b_block_size": plots.plot_figure18b(fig18b),
         "paper_spread_sensitivity": plots.plot_sensitivity(sensitivity),
+        "prefix_caching": plots.plot_prefix_caching(caching),
     }
     paths = plots.save_all(figures, figures_dir)
     out("\nfigures: " + ", ".join(str(p) for p in paths))

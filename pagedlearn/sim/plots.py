@@ -155,6 +155,25 @@ def plot_sensitivity(rows):
     return fig
 
 
+@_styled
+def plot_prefix_caching(rows):
+    """Bars: hit rate per stream, cache off / cold / warm."""
+    streams = list(dict.fromkeys(r["stream"] for r in rows))
+    fig = Figure(figsize=(8, 4))
+    ax = fig.subplots()
+    for i, cache in enumerate(("off", "cold", "warm")):
+        values = [next(r["hit_rate_pct"] for r in rows if r["stream"] == s and r["cache"] == cache)
+                  for s in streams]  # fmt: skip
+        ax.bar([x + (i - 1) * 0.27 for x in range(len(streams))], values, 0.27,
+               color=OKABE_ITO[i], label=f"cache {cache}")  # fmt: skip
+    ax.set_xticks(range(len(streams)), streams)
+    ax.set_ylabel("prompt tokens found in the cache, %")
+    ax.set_title("Prefix caching: hit rate (many chats: LRU evicts histories before reuse)")
+    ax.legend()
+    fig.tight_layout()
+    return fig
+
+
 def save_all(figures: dict, directory) -> list:
     """Write each figure as ``<name>.png`` into ``directory``; return the paths."""
     from pathlib import Path

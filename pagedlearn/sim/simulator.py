@@ -61,6 +61,7 @@ class Snapshot:
     internal: int
     buddy_rounding: int
     free: int
+    shared: int = 0  # slots sharing saves: every request's blocks counted apart, minus the pool's
 
 
 class ContiguousMemory:
@@ -112,24 +113,36 @@ class ContiguousMemory:
 
 
 class PagedMemory:
-    """vLLM-style paging on the project's own :class:`KVCacheManager` (block size 16 default)."""
+    """vLLM-style paging on the project's own :class:`KVCacheManager` (block size 16 default).
 
-    def __init__(self, num_slots: int, block_size: int = 16):
-        self.name = f"vLLM (block {block_size})"
+    Requests without token ids use token 0 everywhere: without prefix caching only their count
+    matters. With ``enable_prefix_caching`` give them ids (``workloads.attach_tokens``).
+    """
+
+    def __init__(self, num_slots: int, block_size: int = 16, enable_prefix_caching=False):
+        caching = ", prefix caching" if enable_prefix_caching else ""
+        self.name = f"vLLM (block {block_size}{caching})"
         self.block_size = block_size
-        self.kv = KVCacheManager(num_slots // block_size, block_size, enable_prefix_caching=False)
+        self.kv = KVCacheManager(num_slots // block_size, block_size, enable_prefix_caching)
         self.num_slots = num_slots
 
+    @staticmethod
+    def _tokens(req, start: int, stop: int) -> list:
+        """Token ids at positions [start, stop) of ``req`` (prompt, then output)."""
+        if req.prompt_tokens is None:
+            return [0] * (stop - start)
+        return (req.prompt_tokens + req.output_tokens)[start:stop]
+
     def admit(self, req, length: int) -> bool:
-        try:  # token values do not matter without prefix caching; only their count does
-            self.kv.add_sequence(req.request_id, [0] * length)
+        try:
+            self.kv.add_sequence(req.request_id, self._tokens(req, 0, length))
         except OutOfBlocksError:
             return False
         return True
 
     def grow(self, req, length: int) -> bool:
         try:
-            self.kv.append_token(req.request_id, 0)
+            self.kv.append_token(req.request_id, self._tokens(req, length, length + 1)[0])
         except OutOfBlocksError:
             return False
         return True
@@ -138,13 +151,29 @@ class PagedMemory:
         self.kv.free_sequence(req.request_id)
 
     def breakdown(self, running_lengths) -> dict:
+        """Physical slots: a block shared by several requests (a cached prefix) counts once."""
         out = dict.fromkeys(CATEGORIES, 0)
-        for req, length in running_lengths:
-            out["token_states"] += length
-            out["internal"] += len(self.kv.block_table(req.request_id)) * self.block_size - length
+        bs, per_request = self.block_size, 0
+        if self.kv.prefix_cache is None:  # nothing is shared: count per request (fast)
+            for _, length in running_lengths:
+                per_request += -(-length // bs) * bs
+                out["token_states"] += length
+            out["internal"] = per_request - out["token_states"]
+            physical = per_request
+        else:
+            filled = {}  # physical block -> slots holding tokens, each block once
+            for req, length in running_lengths:
+                table = self.kv.block_table(req.request_id)
+                per_request += len(table) * bs
+                for j, block in enumerate(table):
+                    filled[block] = min(bs, length - j * bs)
+            out["token_states"] = sum(filled.values())
+            physical = len(filled) * bs
+            out["internal"] = physical - out["token_states"]
         # Slots past the last whole block (num_slots not a multiple of block_size) are never
-        # usable; count them as free so that the categories still sum to the pool.
+        # usable, and cached blocks nobody runs on can be reclaimed: both count as free.
         out["free"] = self.num_slots - out["token_states"] - out["internal"]
+        out["shared"] = per_request - physical
         return out
 
 
@@ -185,15 +214,21 @@ def simulate(requests, memory, max_num_seqs=256, step_seconds=None, max_steps=No
     ``None`` lets every request arrive at step 0. ``max_steps`` stops early.
     """
     arrivals = deque(sorted(requests, key=lambda r: r.arrival))
+    blocked = []  # arrived, but waiting for another request to finish first (``after``)
     waiting = deque()  # (request, tokens to prefill: prompt + anything generated before)
     running = []  # [request, tokens in the cache, tokens generated], in arrival order
+    done = set()
     snapshots, finished, preemptions, step = [], 0, 0, 0
-    while arrivals or waiting or running:
+    while arrivals or blocked or waiting or running:
         now = step * step_seconds if step_seconds else float("inf")
         while arrivals and arrivals[0].arrival <= now:
-            req = arrivals.popleft()
-            waiting.append((req, req.prompt_len, 0))
+            blocked.append(arrivals.popleft())
+        ready = [r for r in blocked if r.after is None or r.after in done]
+        blocked = [r for r in blocked if not (r.after is None or r.after in done)]
+        waiting.extend((r, r.prompt_len, 0) for r in ready)
         if not waiting and not running:  # idle: jump to the next arrival
+            if not arrivals:
+                raise PagedLearnError(f"requests wait for ones that never finish: {blocked[:3]}")
             step = max(step + 1, int(arrivals[0].arrival / step_seconds))
             continue
         # 1. Admit first-come-first-served while memory (and the batch limit) allows.
@@ -234,6 +269,7 @@ def simulate(requests, memory, max_num_seqs=256, step_seconds=None, max_steps=No
         for entry in [e for e in running if e[2] >= e[0].output_len]:
             memory.release(entry[0])
             running.remove(entry)
+            done.add(entry[0].request_id)
             finished += 1
         step += 1
         if max_steps is not None and step >= max_steps:

@@ -49,6 +49,10 @@ class Request:
     prefix_id: int | None = None  # a shared system prompt, if any
     prefix_len: int = 0  # how many of the prompt's first tokens are that shared prompt
     tags: dict = field(default_factory=dict)
+    # Token ids, only where the content matters (prefix caching): None means "any".
+    prompt_tokens: list | None = None
+    output_tokens: list | None = None
+    after: int | None = None  # a request that must finish first (the previous turn of a chat)
 
     @property
     def final_len(self) -> int:
@@ -143,3 +147,50 @@ def mean_lengths(requests) -> tuple[float, float]:
     """(mean prompt length, mean output length) of a stream."""
     n = len(requests)
     return sum(r.prompt_len for r in requests) / n, sum(r.output_len for r in requests) / n
+
+
+VOCAB = 50_000
+
+
+def attach_tokens(requests, seed: int = 0) -> list[Request]:
+    """Give each request token ids: its shared system prompt's (the same for every request with
+    that ``prefix_id``), then tokens of its own, so that only real sharing can hit the cache."""
+    rng = random.Random(seed)
+    system = {}
+    for req in requests:
+        shared = []
+        if req.prefix_id is not None:
+            if req.prefix_id not in system:
+                system[req.prefix_id] = [rng.randrange(1, VOCAB) for _ in range(req.prefix_len)]
+            shared = system[req.prefix_id][: req.prefix_len]
+        own = [rng.randrange(1, VOCAB) for _ in range(req.prompt_len - len(shared))]
+        req.prompt_tokens = shared + own
+        req.output_tokens = [rng.randrange(1, VOCAB) for _ in range(req.output_len)]
+    return requests
+
+
+def multi_turn_workload(num_conversations: int, turns: int = 4, seed: int = 0) -> list[Request]:
+    """Chats of several turns: turn ``t + 1``'s prompt is the whole conversation so far (its own
+    system prompt, every earlier message and reply) plus a new message, as chat APIs send it.
+
+    Requests are ordered turn by turn across conversations (everyone's first turn, then everyone's
+    second, ...), and each turn waits for the previous one to finish (``after``): nobody answers
+    a reply before reading it. Messages ~ log-normal(mean 50), replies ~ log-normal(mean 150),
+    system prompts 200 tokens, one per conversation.
+    """
+    rng = random.Random(seed)
+    n = num_conversations * turns
+    messages = _lognormal_lengths(rng, 50.0, 0.8, max(n, 1000), 400)
+    replies = _lognormal_lengths(rng, 150.0, 0.8, max(n, 1000), 600)
+    history = [[rng.randrange(1, VOCAB) for _ in range(200)] for _ in range(num_conversations)]
+    requests, last = [], [None] * num_conversations
+    for turn in range(turns):
+        for conv in range(num_conversations):
+            i = len(requests)
+            prompt = history[conv] + [rng.randrange(1, VOCAB) for _ in range(messages[i])]
+            reply = [rng.randrange(1, VOCAB) for _ in range(replies[i])]
+            req = Request(i, 0.0, len(prompt), len(reply), MAX_CONTEXT * 4, conv, 0,
+                          {"turn": turn}, prompt, reply, after=last[conv])  # fmt: skip
+            requests.append(req)
+            history[conv], last[conv] = prompt + reply, i
+    return requests
