@@ -210,3 +210,21 @@ def test_a_chat_turn_waits_for_the_previous_one():
     blocked = Request(7, 0.0, 4, 4, 4, after=99)  # waits for a request that does not exist
     with pytest.raises(PagedLearnError, match="never finish"):
         simulate([blocked], PagedMemory(256))
+
+
+@pytest.mark.slow
+def test_readme_shows_the_prefix_caching_numbers_the_code_computes():
+    from pathlib import Path
+
+    from pagedlearn.sim import prefix
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    rows = {(r["stream"], r["cache"]): r for r in prefix.experiment()}
+    shared = rows[("shared-prompt", "cold")]
+    assert f"{shared['hit_rate_pct']:.0f}% of the prompt tokens" in readme
+    assert f"sharing saves {shared['memory_saved_pct']:.0f}% of the memory" in readme
+    assert f"({shared['preemptions']} preemptions)" in readme
+    few, many = "multi-turn (20 chats)", "multi-turn (100 chats)"
+    assert f"20 conversations hit {rows[(few, 'cold')]['hit_rate_pct']:.0f}% cold" in readme
+    assert f"and {rows[(few, 'warm')]['hit_rate_pct']:.0f}% warm" in readme
+    assert f"hit only {rows[(many, 'cold')]['hit_rate_pct']:.0f}%" in readme

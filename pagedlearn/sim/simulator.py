@@ -141,8 +141,14 @@ class PagedMemory:
         return True
 
     def grow(self, req, length: int) -> bool:
+        if req.prompt_tokens is None:
+            token = 0
+        elif length < req.prompt_len:  # a preempted request's prompt is re-fed in order
+            token = req.prompt_tokens[length]
+        else:
+            token = req.output_tokens[length - req.prompt_len]
         try:
-            self.kv.append_token(req.request_id, self._tokens(req, length, length + 1)[0])
+            self.kv.append_token(req.request_id, token)
         except OutOfBlocksError:
             return False
         return True
@@ -238,6 +244,9 @@ def simulate(requests, memory, max_num_seqs=256, step_seconds=None, max_steps=No
                 break
             waiting.popleft()
             running.append([req, length, generated])
+        # Keep running in arrival order (FCFS priority): a request back from preemption takes
+        # its old place, so the next victim is still the latest arrival, not the one just back.
+        running.sort(key=lambda e: (e[0].arrival, e[0].request_id))
         if waiting and not running:  # it will never fit: say so instead of looping forever
             req = waiting[0][0]
             raise PagedLearnError(
