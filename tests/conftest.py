@@ -6,6 +6,7 @@ we set it here, before any test module imports ``kernels``, so plain ``pytest`` 
 GPU the kernels compile for real, and the same tests run on it.
 """
 
+import importlib.util
 import os
 
 import pytest
@@ -20,15 +21,40 @@ def _has_cuda() -> bool:
 
 
 HAS_CUDA = _has_cuda()
+
+
+def _has_triton() -> bool:
+    try:
+        return importlib.util.find_spec("triton") is not None  # Triton installs on Linux only
+    except ValueError:  # sys.modules["triton"] = None, as a test that hides Triton sets it
+        return False
+
+
+HAS_TRITON = _has_triton()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Files that run Triton kernels. Without Triton (macOS, Windows) they are skipped, so that
+# `make test` still checks everything else there; the test that simulates a machine without
+# Triton runs everywhere.
+TRITON_FILES = {
+    "test_kernels.py",
+    "test_kernels_random.py",
+    "test_kernel_inputs.py",
+    "test_gpu_compile.py",
+    "test_bench_attention.py",
+}
+RUNS_WITHOUT_TRITON = {"test_without_triton_the_kernels_import_and_point_to_the_reference"}
+
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``gpu`` are skipped without one, even under ``make test-all`` (``-m ""``)."""
-    if HAS_CUDA:
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    """Tests marked ``gpu`` are skipped without one, even under ``make test-all`` (``-m ""``);
+    kernel tests are skipped without Triton."""
+    no_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    no_triton = pytest.mark.skip(reason="needs Triton, which installs on Linux only")
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        if "gpu" in item.keywords and not HAS_CUDA:
+            item.add_marker(no_gpu)
+        kernel_test = item.path.name in TRITON_FILES
+        if not HAS_TRITON and kernel_test and item.originalname not in RUNS_WITHOUT_TRITON:
+            item.add_marker(no_triton)
