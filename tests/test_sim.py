@@ -108,6 +108,10 @@ def test_experiments_run_small_and_put_the_papers_numbers_beside_ours():
     sweep = paper.figure18b("alpaca", block_sizes=(16, 256), num_requests=800)
     assert sweep[0]["internal"] < sweep[1]["internal"]  # big blocks waste short requests' memory
     assert paper.spread_sensitivity("sharegpt", (0.5, 1.5), num_requests=30)
+    by_step = paper.rate_sensitivity("alpaca", 30.0, (0.02, 0.08), num_requests=1500)
+    vllm = [r["mean_batch"] for r in by_step if r["system"] == "vllm"]
+    assert vllm[0] < vllm[1]  # longer steps: more requests arrive during each one's lifetime
+    assert all(6.9 < r["mean_batch"] <= 7 for r in by_step if r["system"] == "max")  # full
 
 
 def test_paper_command_prints_every_experiment_and_draws_it(tmp_path):
@@ -135,6 +139,10 @@ def test_readme_shows_what_the_paper_command_computes():
     for workload in ("sharegpt", "alpaca"):
         batches = " / ".join(f"{r['mean_batch']:.2f}" for r in paper.figure13(workload))
         assert batches in section, (workload, batches)
+    rates = paper.rate_sensitivity("alpaca", 30.0)
+    vllm = [f"{r['mean_batch']:.0f}" for r in rates if r["system"] == "vllm"]
+    said = f"vLLM's batch is then {', '.join(vllm[:-1])} and {vllm[-1]}"
+    assert said in " ".join(section.split()), said
 
 
 def test_sharing_saves_nothing_alone_and_more_as_beams_refork():

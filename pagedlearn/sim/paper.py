@@ -111,6 +111,31 @@ def spread_sensitivity(workload="sharegpt", spreads=(0.5, 0.75, 1.0, 1.25, 1.5),
     return rows
 
 
+def rate_sensitivity(workload="alpaca", rate=30.0, step_times=(0.02, 0.04, 0.08), **kwargs):
+    """Figure 13 at the paper's arrival rate instead of saturated, for assumed step times.
+
+    How many requests run together at a given rate depends on how long a step takes (a request
+    holds memory for ``output_len`` steps), which a memory simulation cannot know: OPT-13B's
+    iteration time on an A100 grows with the batch. So this shows the batch each system reaches
+    for a few fixed step times, rather than picking one.
+    """
+    num_requests = kwargs.pop("num_requests", None) or NUM_REQUESTS[workload]
+    requests = paper_workload(workload, num_requests, rate=rate, **kwargs)
+    rows = []
+    for step in step_times:
+        for system in SYSTEMS:
+            result = simulate(requests, make_memory(system), step_seconds=step)
+            rows.append(
+                {
+                    "step_ms": 1000 * step,
+                    "system": system,
+                    "mean_batch": result.mean_batch(under_load=False),
+                    "paper_mean_batch": PAPER_FIG13[workload][system],
+                }
+            )
+    return rows
+
+
 def figure18b(workload="sharegpt", block_sizes=(1, 2, 4, 8, 16, 32, 64, 128, 256), **kwargs):
     """Figure 18b, the memory side: paging's internal waste and batch size vs block size."""
     num_requests = kwargs.pop("num_requests", None) or NUM_REQUESTS[workload]
@@ -165,6 +190,9 @@ def report(quick: bool = False, out=print, figures_dir=None) -> list:
         out(format_rows(fig13[workload], digits=2))
     spreads = (0.5, 1.0, 1.5) if quick else (0.5, 0.75, 1.0, 1.25, 1.5)
     sensitivity = spread_sensitivity("sharegpt", spreads, num_requests=n["sharegpt"])
+    rate_rows = rate_sensitivity("alpaca", 30.0, num_requests=n["alpaca"])
+    out("\nFigure 13 at 30 req/s (Alpaca-like) for assumed step times, instead of saturated")
+    out(format_rows(rate_rows, digits=2))
     out("\nSensitivity -- Figure 13 (ShareGPT-like) as the length spread varies (1.0 = ours)")
     keep = ("spread", "system", "mean_batch")
     out(format_rows([{k: r[k] for k in keep} for r in sensitivity], 2))

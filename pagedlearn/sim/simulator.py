@@ -202,8 +202,15 @@ class SimResult:
         steady = [s for s in self.snapshots if s.step >= self.warmup]
         return [s for s in steady if s.waiting > 0] or steady or self.snapshots
 
-    def mean_batch(self) -> float:
-        steps = self.loaded()
+    def mean_batch(self, under_load: bool = True) -> float:
+        """Average running requests: over the steps under load, or (``under_load=False``, for
+        runs with arrivals) over every step past the warm-up while anything runs."""
+        if under_load:
+            steps = self.loaded()
+        else:
+            steps = [s for s in self.snapshots if s.step >= self.warmup and s.running] or [
+                s for s in self.snapshots if s.running
+            ]
         return sum(s.running for s in steps) / len(steps)
 
     def mean_breakdown(self) -> dict:
