@@ -13,6 +13,7 @@ kernels on a laptop:
 This module imports Triton, so only the kernel files import it; ``kernels/__init__.py`` does not.
 """
 
+import torch
 import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
@@ -74,8 +75,6 @@ def dot_settings(dtype, interpreted: bool) -> tuple[bool, str]:
       the kernels upcast loaded tiles to float32 first. On a GPU bf16 runs natively.
     - float16 dots accumulate in float32 on every backend; the precision flag does not apply.
     """
-    import torch
-
     upcast = interpreted and dtype == torch.bfloat16
     return upcast, ("ieee" if dtype == torch.float32 or upcast else "tf32")
 
@@ -92,8 +91,6 @@ def tile_tokens(head_dim_pad: int, dtype) -> int:
     head_dim 256 and again for float32. (``tl.dot`` needs at least 16 rows, ``tl.arange`` a
     power of two.) ``python -m kernels.gpu_compile`` shows the resulting registers and spills.
     """
-    import torch
-
     width = max(head_dim_pad, 128) * (2 if dtype == torch.float32 else 1)
     return 64 * 128 // width
 
@@ -105,8 +102,6 @@ def num_warps(head_dim_pad: int, dtype) -> int:
     With this rule and :func:`tile_tokens`, ``python -m kernels.gpu_compile`` shows no spills
     for head_dim 64 to 256 in fp16 and bf16, and a few dozen bytes at most in float32.
     """
-    import torch
-
     return 8 if head_dim_pad >= 128 or dtype == torch.float32 else 4
 
 

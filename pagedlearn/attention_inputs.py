@@ -94,8 +94,8 @@ def check_cache(q, key_cache, value_cache, scale) -> CacheShape:
     return CacheShape(num_blocks, block_size, num_kv_heads, head_dim, num_heads, float(scale))
 
 
-def check_block_tables(block_tables, context_lens, shape: CacheShape, device, num_seqs: int):
-    """Check the block tables and lengths (shapes, dtypes; values when on the CPU)."""
+def check_block_tables(block_tables, context_lens, device, num_seqs: int) -> None:
+    """Check the block tables' and lengths' shapes, dtypes and device (values: see below)."""
     _check_tensor("block_tables", block_tables, 2, INDEX_DTYPES, device)
     _check_tensor("context_lens", context_lens, 1, INDEX_DTYPES, device)
     if block_tables.shape[0] != num_seqs or context_lens.shape[0] != num_seqs:
@@ -127,7 +127,7 @@ def check_block_table_values(block_tables, context_lens, shape: CacheShape) -> N
 def check_decode(q, key_cache, value_cache, block_tables, context_lens, scale, check_values):
     """All checks for decode attention: one query token per sequence, ``q: (num_seqs, H, D)``."""
     shape = check_cache(q, key_cache, value_cache, scale)
-    check_block_tables(block_tables, context_lens, shape, q.device, q.shape[0])
+    check_block_tables(block_tables, context_lens, q.device, q.shape[0])
     if check_values:
         check_block_table_values(block_tables, context_lens, shape)
     return shape
@@ -147,7 +147,7 @@ def check_prefill(
     if cu_seqlens_q.shape[0] < 1:
         _fail("cu_seqlens_q must have num_seqs + 1 entries, got none")
     num_seqs = cu_seqlens_q.shape[0] - 1
-    check_block_tables(block_tables, context_lens, shape, q.device, num_seqs)
+    check_block_tables(block_tables, context_lens, q.device, num_seqs)
     if check_values:
         cu = cu_seqlens_q.tolist()
         if cu[0] != 0 or cu[-1] != q.shape[0]:

@@ -14,6 +14,7 @@ from pagedlearn.sim.workloads import paper_workload
 BYTES_PER_TOKEN = 2 * 5120 * 40 * 2  # OPT-13B, fp16: 819,200 bytes
 POOL_SLOTS = 12 * 2**30 // BYTES_PER_TOKEN  # 15,728
 SYSTEMS = ("max", "pow2", "oracle", "vllm")
+BLOCK_SIZE = 16  # vLLM's default, the paper's setting
 # Requests per saturated run. A saturated server's batch drifts towards long requests (they stay
 # longest) and settles after several lifetimes of the longest ones; at these sizes doubling the
 # run moves no batch size by more than ~2%.
@@ -33,7 +34,7 @@ PAPER_FIG13 = {
 }
 
 
-def make_memory(system: str, pool_slots: int = POOL_SLOTS, block_size: int = 16):
+def make_memory(system: str, pool_slots: int = POOL_SLOTS, block_size: int = BLOCK_SIZE):
     """The memory model behind a system name: "max", "pow2", "oracle" or "vllm"."""
     if system == "vllm":
         return PagedMemory(pool_slots, block_size)
@@ -41,7 +42,9 @@ def make_memory(system: str, pool_slots: int = POOL_SLOTS, block_size: int = 16)
 
 
 @lru_cache(maxsize=64)
-def run(system, workload, num_requests, spread=1.0, seed=0, pool_slots=POOL_SLOTS, block_size=16):
+def run(
+    system, workload, num_requests, spread=1.0, seed=0, pool_slots=POOL_SLOTS, block_size=BLOCK_SIZE
+):
     """One saturated simulation (cached: Figures 2 and 13 read the same runs)."""
     requests = paper_workload(workload, num_requests, spread=spread, seed=seed)
     return simulate(requests, make_memory(system, pool_slots, block_size))
@@ -56,7 +59,8 @@ def figure2(workload="sharegpt", num_requests=None, spread=1.0, seed=0, pool_slo
     num_requests = num_requests or NUM_REQUESTS[workload]
     rows = []
     for system in SYSTEMS:
-        b = run(system, workload, num_requests, spread, seed, pool_slots).mean_breakdown()
+        b = run(system, workload, num_requests, spread, seed, pool_slots, BLOCK_SIZE)
+        b = b.mean_breakdown()
         paper = PAPER_FIG2[system]
         rows.append(
             {
@@ -85,7 +89,7 @@ def figure13(workload="sharegpt", num_requests=None, spread=1.0, seed=0, pool_sl
     num_requests = num_requests or NUM_REQUESTS[workload]
     rows = []
     for system in SYSTEMS:
-        result = run(system, workload, num_requests, spread, seed, pool_slots)
+        result = run(system, workload, num_requests, spread, seed, pool_slots, BLOCK_SIZE)
         rows.append(
             {
                 "system": system,
@@ -136,12 +140,19 @@ def rate_sensitivity(workload="alpaca", rate=30.0, step_times=(0.02, 0.04, 0.08)
     return rows
 
 
-def figure18b(workload="sharegpt", block_sizes=(1, 2, 4, 8, 16, 32, 64, 128, 256), **kwargs):
+def figure18b(
+    workload="sharegpt",
+    block_sizes=(1, 2, 4, 8, 16, 32, 64, 128, 256),
+    num_requests=None,
+    spread=1.0,
+    seed=0,
+):
     """Figure 18b, the memory side: paging's internal waste and batch size vs block size."""
-    num_requests = kwargs.pop("num_requests", None) or NUM_REQUESTS[workload]
+    num_requests = num_requests or NUM_REQUESTS[workload]
     rows = []
     for block_size in block_sizes:
-        result = run("vllm", workload, num_requests, block_size=block_size, **kwargs)
+        # Same positional arguments as Figures 2 and 13, so block 16 reuses their cached run.
+        result = run("vllm", workload, num_requests, spread, seed, POOL_SLOTS, block_size)
         b = result.mean_breakdown()
         rows.append(
             {

@@ -19,10 +19,9 @@ what a server that has been up for a while sees; blocks may have been evicted si
 - batch: the average number of running requests under load.
 """
 
+from pagedlearn.sim.paper import POOL_SLOTS  # the paper's OPT-13B pool
 from pagedlearn.sim.simulator import PagedMemory, simulate
 from pagedlearn.sim.workloads import attach_tokens, home_server_workload, multi_turn_workload
-
-POOL_SLOTS = 15_728  # the paper's OPT-13B pool, as in pagedlearn.sim.paper
 
 
 def _measure(requests, memory) -> dict:

@@ -75,8 +75,8 @@ class ContiguousMemory:
         self.buddy = BuddyAllocator(num_slots)
         self.held = {}  # request_id -> (offset, requested slots)
 
-    def reservation(self, req, length: int) -> int:
-        """Slots requested for ``req``, whose prompt (plus tokens kept) is ``length`` long."""
+    def reservation(self, req) -> int:
+        """Slots requested for ``req`` for its whole lifetime."""
         limit = req.prompt_len + req.max_tokens
         if self.policy == "max":
             return limit
@@ -85,7 +85,7 @@ class ContiguousMemory:
         return req.final_len  # oracle
 
     def admit(self, req, length: int) -> bool:
-        size = self.reservation(req, length)
+        size = self.reservation(req)
         offset = self.buddy.allocate(size)
         if offset is None:
             return False
