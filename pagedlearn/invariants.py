@@ -9,19 +9,26 @@ O(num_blocks + tokens), so it is for tests, debugging and teaching, not for each
 2. A block is in the free queue exactly when its refcount is 0 -- never both free and in a table,
    never twice in the queue -- and used + free == num_blocks.
 3. Every table has exactly ceil(tokens / block_size) blocks, all distinct.
-4. (Prefix caching) every hash maps to a block holding exactly those tokens, after exactly that
+4. (Swapping) rules 1-3 hold for the CPU pool too, counting the swapped-out tables (whose ids name
+   CPU blocks); no sequence is both on the GPU and swapped out; without a CPU pool, none is out;
+   the extra keys (model, adapter, salt) are kept for exactly the sequences that exist.
+5. (Prefix caching) every hash maps to a block holding exactly those tokens, after exactly that
    prefix, for the same model / adapter / salt, and the allocator's cached flags match the cache.
+   Only GPU blocks are indexed: a swapped-out table's blocks are registered again on swap-in.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from pagedlearn.errors import PagedLearnError
 from pagedlearn.prefix_cache import parent_hash
 
 if TYPE_CHECKING:
+    from pagedlearn.block_allocator import BlockAllocator
+    from pagedlearn.block_table import BlockTable
     from pagedlearn.kv_cache_manager import KVCacheManager
 
 
@@ -33,33 +40,23 @@ def check_invariants(kv: KVCacheManager) -> None:
     """Raise :class:`PagedLearnError` naming the first broken invariant of ``kv``'s pool."""
     a = kv.allocator
     tables = kv._tables  # this module is the manager's own checker: it reads its state directly
-    refs = Counter(b for t in tables.values() for b in t.block_ids)
-    free = a.free_queue()
-    free_set = set(free)
+    _check_pool(a, tables.values(), "")  # 1 and 2 on the GPU
+    _check_shapes(tables, "")  # 3
 
-    # 1 and 2: refcounts and the free queue
-    if len(free) != len(free_set):
-        _fail("a block appears twice in the free queue")
-    used = sum(1 for b in range(a.num_blocks) if a.refcount(b) > 0)
-    if used + len(free) != a.num_blocks:
-        _fail(f"used ({used}) + free ({len(free)}) != num_blocks ({a.num_blocks})")
-    for b in range(a.num_blocks):
-        if a.refcount(b) != refs[b]:
-            _fail(f"block {b} has refcount {a.refcount(b)} but {refs[b]} table references")
-        # With the check above, this one also rules out a block both free and in a table.
-        if (a.refcount(b) == 0) != (b in free_set):
-            _fail(f"block {b} has refcount {a.refcount(b)} but free={b in free_set}")
-    if a.num_shared_blocks != sum(1 for b in range(a.num_blocks) if a.refcount(b) > 1):
-        _fail(f"the allocator counts {a.num_shared_blocks} shared blocks, the refcounts disagree")
+    # 4: the CPU swap pool, with the same rules over the swapped-out tables
+    swapped = kv._swapped
+    if kv.cpu_allocator is None:
+        if swapped:
+            _fail(f"{len(swapped)} sequences are swapped out but there is no CPU pool")
+    else:
+        _check_pool(kv.cpu_allocator, swapped.values(), "CPU ")
+        _check_shapes(swapped, "swapped-out ")
+    if both := tables.keys() & swapped.keys():
+        _fail(f"{next(iter(both))!r} is both on the GPU and swapped out")
+    if kv._extra_keys.keys() != tables.keys() | swapped.keys():
+        _fail("the extra keys (model, adapter, salt) are kept for other sequences than exist")
 
-    # 3: each table's shape
-    for seq_id, t in tables.items():
-        if len(t.block_ids) != t.blocks_needed(t.num_tokens):
-            _fail(f"{seq_id!r} has {len(t.block_ids)} blocks for {t.num_tokens} tokens")
-        if len(set(t.block_ids)) != len(t.block_ids):
-            _fail(f"{seq_id!r} points at the same block twice")
-
-    # 4: the prefix cache says the truth about every block it indexes
+    # 5: the prefix cache says the truth about every block it indexes
     if kv.prefix_cache is None:
         return
     users: dict[int, list[tuple[object, int]]] = {}  # block -> [(seq_id, logical index)]
@@ -88,3 +85,32 @@ def check_invariants(kv: KVCacheManager) -> None:
                 )
     if indexed != {b for b in range(a.num_blocks) if a.is_cached(b)}:
         _fail("the allocator's cached blocks differ from the prefix cache's")
+
+
+def _check_pool(a: BlockAllocator, tables: Iterable[BlockTable], pool: str) -> None:
+    """Rules 1 and 2 for one pool: ``tables`` are all the tables whose ids name its blocks."""
+    refs = Counter(b for t in tables for b in t.block_ids)
+    free = a.free_queue()
+    free_set = set(free)
+    if len(free) != len(free_set):
+        _fail(f"a block appears twice in the {pool}free queue")
+    used = sum(1 for b in range(a.num_blocks) if a.refcount(b) > 0)
+    if used + len(free) != a.num_blocks:
+        _fail(f"{pool}used ({used}) + free ({len(free)}) != num_blocks ({a.num_blocks})")
+    for b in range(a.num_blocks):
+        if a.refcount(b) != refs[b]:
+            _fail(f"{pool}block {b} has refcount {a.refcount(b)} but {refs[b]} table references")
+        # With the check above, this one also rules out a block both free and in a table.
+        if (a.refcount(b) == 0) != (b in free_set):
+            _fail(f"{pool}block {b} has refcount {a.refcount(b)} but free={b in free_set}")
+    if a.num_shared_blocks != sum(1 for b in range(a.num_blocks) if a.refcount(b) > 1):
+        _fail(f"the {pool}allocator counts {a.num_shared_blocks} shared blocks, refcounts disagree")
+
+
+def _check_shapes(tables: dict, kind: str) -> None:
+    """Rule 3: each table has ceil(tokens / block_size) blocks, all distinct."""
+    for seq_id, t in tables.items():
+        if len(t.block_ids) != t.blocks_needed(t.num_tokens):
+            _fail(f"{kind}{seq_id!r} has {len(t.block_ids)} blocks for {t.num_tokens} tokens")
+        if len(set(t.block_ids)) != len(t.block_ids):
+            _fail(f"{kind}{seq_id!r} points at the same block twice")

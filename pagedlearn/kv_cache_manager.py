@@ -1,4 +1,4 @@
-"""The KV-cache manager: block tables, sharing, copy-on-write and prefix caching, in one place.
+"""The KV-cache manager: block tables, sharing, copy-on-write, prefix caching and swapping.
 
 This is what a serving engine's scheduler talks to (vLLM calls its version the block manager or
 KV cache manager). It owns
@@ -6,11 +6,12 @@ KV cache manager). It owns
 - a :class:`BlockAllocator` (which physical blocks are free, refcounts),
 - one :class:`BlockTable` per sequence (logical -> physical blocks, tokens, slots),
 - a :class:`PrefixCache` when ``enable_prefix_caching`` (hash -> block for full blocks),
+- a second :class:`BlockAllocator` over a CPU swap pool when ``num_cpu_blocks > 0``,
 - a :class:`Trace` that announces every block operation (see trace.py).
 
 It never touches a tensor. It answers "where does token i's K/V go?" (``append_token`` returns a
 slot; ``slot_mapping`` gives all of them) and "which blocks must be copied before the next kernel
-runs?" (``pop_copies``); the engine applies those to the KV tensors.
+runs?" (``pop_copies``, ``swap_out``, ``swap_in``); the engine applies those to the KV tensors.
 
 Rules worth knowing:
 
@@ -24,13 +25,31 @@ Rules worth knowing:
   reused prefix is capped at ``len(prompt) - 1`` tokens, rounded down to whole blocks.
 - Any operation that raises leaves every table, refcount and cache entry as it was.
 
-Room for swapping (issue "engine"): a second ``BlockAllocator`` over a CPU pool, with ``swap_out``
-/ ``swap_in`` moving a sequence's table between the two and reporting the block copies.
+Swapping (preemption by swap, the paper's section 4.5). When the GPU pool runs dry mid-generation,
+the scheduler must take blocks back from a running request. It can *recompute*: free the blocks and
+prefill the request again later. Or it can *swap*: copy the request's blocks to a pool in CPU
+memory, free the GPU blocks, and copy them back when there is room. The CPU pool is a second
+``BlockAllocator`` of ``num_cpu_blocks`` blocks; a swapped-out sequence keeps its table (tokens,
+block hashes), whose ids now name CPU blocks. A request is swapped as a *group* (all its samples at
+once), so blocks its samples share after ``fork`` are copied once and stay shared: a CPU block's
+refcount counts the swapped tables that point at it, as on the GPU. A block the group shares with
+another request (a prefix-cache hit) stays on the GPU for that request.
+
+``swap_out`` and ``swap_in`` copy nothing themselves: they return ``(src, dst)`` block pairs, and
+the engine moves the KV before the next forward pass, in this order: swap-out copies (GPU -> CPU),
+swap-in copies (CPU -> GPU), then copy-on-write copies (``pop_copies``). The order matters because
+a GPU block freed by ``swap_out`` may be handed to ``swap_in`` in the same step: its old KV must
+reach the CPU before the new KV lands in it. So within one step the scheduler swaps out before it
+swaps in. Copy-on-write copies may be pending during a swap (a scheduler appends for one request,
+then preempts another), except where the order would move the wrong KV, which raises: swapping
+out a block that still waits for its copy-on-write KV, or swapping in while a block of a pending
+copy-on-write is free (the swap-in could take it, and the later copy would read or overwrite it).
 """
 
 from __future__ import annotations
 
 import operator
+from collections import Counter
 from collections.abc import Hashable, Iterable
 from typing import Any
 
@@ -54,6 +73,18 @@ class KVCacheManager:
     9
     >>> kv.pop_copies()                               # the engine copies block 1 -> block 2
     [(1, 2)]
+
+    With ``num_cpu_blocks``, a request's samples can be swapped out together and back in:
+
+    >>> kv = KVCacheManager(num_blocks=4, block_size=2, num_cpu_blocks=4)
+    >>> kv.add_sequence("a", [1, 2, 3]); kv.fork("a", "b")
+    0
+    >>> kv.swap_out(["a", "b"])         # one CPU block per GPU block, shared blocks stay shared
+    [(0, 0), (1, 1)]
+    >>> kv.is_swapped("b"), kv.num_free_blocks, kv.cpu_allocator.refcount(1)
+    (True, 4, 2)
+    >>> kv.swap_in(["a", "b"])          # (cpu, gpu): new GPU blocks, shared by both again
+    [(0, 2), (1, 3)]
     """
 
     def __init__(
@@ -62,16 +93,23 @@ class KVCacheManager:
         block_size: int,
         enable_prefix_caching: bool = False,
         model_id: Hashable = None,
+        num_cpu_blocks: int = 0,
     ) -> None:
         if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
             raise PagedLearnError(f"block_size must be a positive int, got {block_size!r}")
+        n_cpu = num_cpu_blocks
+        if not isinstance(n_cpu, int) or isinstance(n_cpu, bool) or n_cpu < 0:
+            raise PagedLearnError(f"num_cpu_blocks must be an int >= 0, got {n_cpu!r}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.model_id = model_id  # part of every block hash: no sharing across models
         self.trace = Trace()
         self.allocator = BlockAllocator(num_blocks, on_evict=self._on_evict)
         self.prefix_cache = PrefixCache() if enable_prefix_caching else None
-        self._tables: dict[Hashable, BlockTable] = {}
+        # The swap pool holds KV only while its sequence is swapped out: no caching, no eviction.
+        self.cpu_allocator = BlockAllocator(n_cpu) if n_cpu else None
+        self._tables: dict[Hashable, BlockTable] = {}  # resident sequences: ids name GPU blocks
+        self._swapped: dict[Hashable, BlockTable] = {}  # swapped out: ids name CPU blocks
         self._extra_keys: dict[Hashable, tuple] = {}  # per sequence: model, adapter, salt
         self._copies: list[tuple[int, int]] = []  # pending copy-on-write (src, dst)
         self._allocating_for: Hashable = None  # the sequence an allocation in progress serves
@@ -80,6 +118,8 @@ class KVCacheManager:
             "prefix_hit_tokens": 0,
             "cow_copies": 0,
             "allocation_failures": 0,
+            "swap_out_blocks": 0,
+            "swap_in_blocks": 0,
         }
 
     # --- the sequence lifecycle ----------------------------------------------------------------
@@ -177,20 +217,96 @@ class KVCacheManager:
         self.trace.emit("incref", parent.block_ids, (parent_id, child_id))
 
     def free_sequence(self, seq_id: Hashable) -> None:
-        """Return a finished sequence's blocks. Cached blocks stay findable until evicted."""
-        table = self._table(seq_id)
+        """Return a finished (or aborted) sequence's blocks. Cached blocks stay findable until
+        evicted. A swapped-out sequence gives back its CPU blocks."""
+        tables = self._where(seq_id)
         # Tail first: the tail of a sequence is the least likely to be shared, so it should be
         # the first evicted -- freeing it first puts it nearer the front of the LRU queue.
-        blocks = table.block_ids[::-1]
-        self.allocator.free(blocks)
-        del self._tables[seq_id], self._extra_keys[seq_id]
-        self.trace.emit("free", blocks, (seq_id,))
+        blocks = tables[seq_id].block_ids[::-1]
+        if tables is self._swapped:
+            self.cpu_allocator.free(blocks)
+            self.trace.emit("free", blocks, (seq_id,), cpu=True)
+        else:
+            self.allocator.free(blocks)
+            self.trace.emit("free", blocks, (seq_id,))
+        del tables[seq_id], self._extra_keys[seq_id]
 
     def pop_copies(self) -> list[tuple[int, int]]:
         """Pending copy-on-write copies ``(src, dst)``; apply them to the KV tensors before the
-        next attention call. Cleared on read."""
+        next attention call, after this step's swap copies (see the module docstring). Cleared on
+        read."""
         copies, self._copies = self._copies, []
         return copies
+
+    # --- swapping ------------------------------------------------------------------------------
+    def swap_out(self, seq_ids: Iterable[Hashable]) -> list[tuple[int, int]]:
+        """Move a group of sequences (the samples of one request) to the CPU pool; returns the
+        ``(gpu_block, cpu_block)`` copies the engine applies first, before swap-in and
+        copy-on-write copies.
+
+        Each distinct GPU block of the group gets one CPU block, referenced once per group table
+        that points at it. The GPU blocks lose those references: blocks only the group used
+        become free (cached ones stay findable), blocks another sequence shares stay for it.
+        Raises :class:`OutOfBlocksError`, changing nothing, when the CPU pool lacks room.
+        """
+        ids = self._group(seq_ids, swapped=False, what="swap_out")
+        tables = [self._tables[s] for s in ids]
+        refs = Counter(b for t in tables for b in t.block_ids)  # GPU block -> group references
+        self._check_copy_order("swap_out", reads=refs.keys())
+        cpu = self.cpu_allocator
+        if len(refs) > cpu.num_free_blocks:
+            raise OutOfBlocksError(
+                len(refs), cpu.num_free_blocks, cpu.num_blocks, what=f"swap_out({ids!r}) to CPU"
+            )
+        # Nothing below can fail. Counter keeps first-seen order: copies follow the tables.
+        to_cpu = dict(zip(refs, cpu.allocate(len(refs)), strict=True))
+        cpu.incref(to_cpu[b] for b, n in refs.items() for _ in range(n - 1))
+        for s, t in zip(ids, tables, strict=True):
+            gpu = t.block_ids
+            self.allocator.free(gpu[::-1])  # tail first, as in free_sequence
+            t.block_ids = [to_cpu[b] for b in gpu]
+            self._swapped[s] = self._tables.pop(s)
+            self.trace.emit("swap_out", gpu, (s,), cpu_blocks=list(t.block_ids))
+        self._counters["swap_out_blocks"] += len(refs)
+        return list(to_cpu.items())
+
+    def swap_in(self, seq_ids: Iterable[Hashable]) -> list[tuple[int, int]]:
+        """Bring a swapped-out group back to the GPU; returns the ``(cpu_block, gpu_block)``
+        copies the engine applies after this step's swap-out copies, before copy-on-write ones.
+
+        Each distinct CPU block gets one new GPU block (which may evict cached blocks), shared
+        again by the tables that shared it; the CPU blocks are freed. With prefix caching, the
+        group's full blocks are registered again (unless the same content is already indexed).
+        Raises :class:`OutOfBlocksError`, changing nothing, when the GPU pool lacks room (ask
+        ``blocks_to_swap_in`` first; a failed swap is not counted in ``allocation_failures``).
+        """
+        ids = self._group(seq_ids, swapped=True, what="swap_in")
+        self._check_copy_order("swap_in")
+        tables = [self._swapped[s] for s in ids]
+        refs = Counter(b for t in tables for b in t.block_ids)  # CPU block -> group references
+        a = self.allocator
+        if len(refs) > a.num_free_blocks:
+            raise OutOfBlocksError(
+                len(refs), a.num_free_blocks, a.num_blocks, what=f"swap_in({ids!r})"
+            )
+        # Nothing below can fail. Allocate per sequence, so that an evict event names the
+        # sequence whose KV takes the block.
+        to_gpu: dict[int, int] = {}
+        for s, t in zip(ids, tables, strict=True):
+            new = [c for c in t.block_ids if c not in to_gpu]
+            to_gpu.update(zip(new, self._allocate(len(new), s), strict=True))
+        a.incref(to_gpu[c] for c, n in refs.items() for _ in range(n - 1))
+        self.cpu_allocator.free(c for t in tables for c in t.block_ids)
+        for s, t in zip(ids, tables, strict=True):
+            cpu_blocks = t.block_ids
+            t.block_ids = [to_gpu[c] for c in cpu_blocks]
+            self._tables[s] = self._swapped.pop(s)
+            self.trace.emit("swap_in", t.block_ids, (s,), cpu_blocks=cpu_blocks)
+            if self.prefix_cache is not None:  # the KV is back: let other requests find it
+                for j in range(len(t.block_hashes)):
+                    self._register(s, t, j)
+        self._counters["swap_in_blocks"] += len(refs)
+        return list(to_gpu.items())
 
     # --- queries -------------------------------------------------------------------------------
     def block_table(self, seq_id: Hashable) -> list[int]:
@@ -200,25 +316,80 @@ class KVCacheManager:
         return self._table(seq_id).slot_mapping()
 
     def token_ids(self, seq_id: Hashable) -> list[int]:
-        return list(self._table(seq_id).token_ids)
+        return list(self._where(seq_id)[seq_id].token_ids)  # swapped sequences too
 
     def sequences(self) -> list[Hashable]:
+        """Ids of the sequences whose blocks are on the GPU (not the swapped-out ones)."""
         return list(self._tables)
 
+    def swapped_sequences(self) -> list[Hashable]:
+        """Ids of the swapped-out sequences (their KV is in the CPU pool)."""
+        return list(self._swapped)
+
+    def is_swapped(self, seq_id: Hashable) -> bool:
+        return self._where(seq_id) is self._swapped
+
     def __contains__(self, seq_id: Hashable) -> bool:
-        return seq_id in self._tables
+        return seq_id in self._tables or seq_id in self._swapped
+
+    def blocks_to_append(self, seq_ids: Iterable[Hashable]) -> int:
+        """GPU blocks that appending one token to each of ``seq_ids``, in order, would allocate:
+        new blocks plus copy-on-write copies. Changes nothing; a scheduler asks before a step.
+
+        A full last block needs a new one. A shared partial last block (refcount ``r > 1``)
+        needs a copy -- but when ``k`` of its sharers append, only ``min(k, r - 1)`` copy: each
+        copy drops one reference, and the last writer owns the block alone. An id listed twice
+        appends twice.
+
+        >>> kv = KVCacheManager(num_blocks=8, block_size=4)
+        >>> kv.add_sequence("a", [1, 2, 3, 4, 5, 6]); kv.fork("a", "b"); kv.fork("a", "c")
+        0
+        >>> kv.blocks_to_append(["a", "b", "c"])    # block 1 has 3 sharers: 2 copies
+        2
+        >>> kv.add_sequence("d", [1, 2, 3, 4])      # full last block: d needs a new one
+        0
+        >>> kv.blocks_to_append(["a", "d"]), kv.blocks_to_append(["d", "d", "d", "d", "d"])
+        (2, 2)
+        """
+        count = 0
+        tokens: dict[Hashable, int] = {}  # the token count each sequence would have so far
+        last: dict[Hashable, int | None] = {}  # its last block; None: a fresh one of its own
+        refs: dict[int, int] = {}  # refcounts of the shared blocks, as the appends lower them
+        for s in _id_list(seq_ids, "blocks_to_append"):
+            table = self._table(s)
+            n = tokens.get(s, table.num_tokens)
+            block = last.get(s, table.block_ids[-1])
+            if n % self.block_size == 0:  # full last block: a new block
+                count += 1
+                last[s] = None
+            elif block is not None and refs.setdefault(block, self.allocator.refcount(block)) > 1:
+                count += 1  # copy-on-write: one sharer fewer on the old block
+                refs[block] -= 1
+                last[s] = None
+            tokens[s] = n + 1
+        return count
+
+    def blocks_to_swap_in(self, seq_ids: Iterable[Hashable]) -> int:
+        """GPU blocks ``swap_in(seq_ids)`` would allocate: the group's distinct CPU blocks."""
+        ids = self._group(seq_ids, swapped=True, what="blocks_to_swap_in")
+        return len({b for s in ids for b in self._swapped[s].block_ids})
 
     @property
     def num_free_blocks(self) -> int:
         return self.allocator.num_free_blocks
 
     def stats(self) -> dict[str, Any]:
-        """Pool usage and counters, the numbers vLLM operators watch."""
-        a = self.allocator
+        """Pool usage and counters, the numbers vLLM operators watch. ``num_seqs`` counts the
+        sequences on the GPU, ``swapped_seqs`` those on the CPU; ``swap_out_blocks`` and
+        ``swap_in_blocks`` count the blocks copied so far in each direction."""
+        a, cpu = self.allocator, self.cpu_allocator
         return {
             "num_blocks": a.num_blocks,
             "block_size": self.block_size,
             "num_seqs": len(self._tables),
+            "swapped_seqs": len(self._swapped),
+            "cpu_blocks": cpu.num_blocks if cpu else 0,
+            "cpu_used_blocks": cpu.num_blocks - cpu.num_free_blocks if cpu else 0,
             "used_blocks": a.num_blocks - a.num_free_blocks,
             "free_blocks": a.num_free_blocks,
             "cached_blocks": a.num_cached_free_blocks,  # free, but holding a reusable prefix
@@ -229,29 +400,71 @@ class KVCacheManager:
 
     def record(self) -> EventLog:
         """Start recording every block event (for replay, JSON export, pictures)."""
-        return EventLog(
-            self.trace,
-            meta={"num_blocks": self.allocator.num_blocks, "block_size": self.block_size},
-        )
+        meta = {"num_blocks": self.allocator.num_blocks, "block_size": self.block_size}
+        if self.cpu_allocator is not None:
+            meta["num_cpu_blocks"] = self.cpu_allocator.num_blocks
+        return EventLog(self.trace, meta=meta)
 
     def check_invariants(self) -> None:
         """Raise :class:`PagedLearnError` naming the first broken invariant (see invariants.py)."""
         check_invariants(self)
 
     # --- internals -----------------------------------------------------------------------------
-    def _table(self, seq_id: Hashable) -> BlockTable:
+    def _where(self, seq_id: Hashable) -> dict[Hashable, BlockTable]:
+        """The dict that holds ``seq_id``'s table: ``_tables`` (GPU) or ``_swapped`` (CPU)."""
         try:
-            return self._tables[seq_id]
-        except (KeyError, TypeError):
+            return next(d for d in (self._tables, self._swapped) if seq_id in d)
+        except (StopIteration, TypeError):
             raise PagedLearnError(f"unknown sequence id {seq_id!r}") from None
+
+    def _table(self, seq_id: Hashable) -> BlockTable:
+        """The table of a sequence on the GPU (the only kind that can grow, fork or be read)."""
+        if self._where(seq_id) is self._swapped:
+            raise PagedLearnError(
+                f"sequence {seq_id!r} is swapped out to the CPU: swap_in([{seq_id!r}]) first"
+            )
+        return self._tables[seq_id]
 
     def _check_new_id(self, seq_id: Hashable) -> None:
         try:
-            exists = seq_id in self._tables
+            exists = seq_id in self  # on the GPU or swapped out
         except TypeError:
             raise PagedLearnError(f"sequence id {seq_id!r} is not hashable") from None
         if exists:
             raise PagedLearnError(f"sequence id {seq_id!r} already exists")
+
+    def _group(self, seq_ids: Iterable[Hashable], swapped: bool, what: str) -> list[Hashable]:
+        """Check a swap group: distinct ids, at least one, all swapped out or all on the GPU."""
+        if self.cpu_allocator is None:
+            raise PagedLearnError(f"{what}: swap needs num_cpu_blocks > 0")
+        ids = _id_list(seq_ids, what)
+        if not ids:
+            raise PagedLearnError(f"{what} needs at least one sequence id")
+        for s in ids:
+            if (self._where(s) is self._swapped) != swapped:
+                state = "is not swapped out" if swapped else "is already swapped out"
+                raise PagedLearnError(f"{what}: sequence {s!r} {state}")
+        if len(set(ids)) != len(ids):
+            twice = next(s for i, s in enumerate(ids) if s in ids[:i])
+            raise PagedLearnError(f"{what}: sequence id {twice!r} is listed twice")
+        return ids
+
+    def _check_copy_order(self, what: str, reads: Iterable[int] | None = None) -> None:
+        """Refuse a swap whose copies, run before the pending copy-on-write ones, would move the
+        wrong KV: ``swap_out`` reading a block that waits for its copy, or ``swap_in`` while a
+        pending copy's block is free (swap_in could take it; the copy would then read or
+        overwrite the swapped-in KV)."""
+        refcount = self.allocator.refcount
+        for src, dst in self._copies:
+            if reads is not None and dst in reads:
+                bad = f"block {dst} gets its KV from the pending copy-on-write {(src, dst)}"
+            elif reads is None and not (refcount(src) and refcount(dst)):
+                bad = f"the pending copy-on-write {(src, dst)} names a free block"
+            else:
+                continue
+            raise PagedLearnError(
+                f"{what}: {bad}, which runs after the swap copies: apply pop_copies() first"
+            )
 
     def _allocate(self, n: int, seq_id: Hashable, what: str = "") -> list[int]:
         self._allocating_for = seq_id  # named in the evict events this allocation may cause
@@ -286,6 +499,13 @@ class KVCacheManager:
             (self._allocating_for,),
             hash=block_hash.hex() if block_hash else None,
         )
+
+
+def _id_list(seq_ids: Iterable[Hashable], what: str) -> list[Hashable]:
+    # A bare string is iterable too: "req-1" would become five one-letter ids.
+    if isinstance(seq_ids, (str, bytes)) or not isinstance(seq_ids, Iterable):
+        raise PagedLearnError(f"{what} takes a list of sequence ids, got {seq_ids!r}")
+    return list(seq_ids)
 
 
 def _check_tokens(token_ids: Iterable[int]) -> list[int]:

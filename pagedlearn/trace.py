@@ -6,22 +6,33 @@ draw from these events, and the paper simulations count them, so the list is com
 the events from an empty pool rebuilds the pool exactly (:class:`PoolReplay`, checked by the tests
 after every random operation).
 
-Event kinds (``blocks`` are physical block ids, ``seqs`` sequence ids):
+Event kinds (``blocks`` are physical block ids -- GPU ones unless said otherwise --, ``seqs``
+sequence ids):
 
-==============  ====================  =========  =================================================
-kind            blocks                seqs       what happened
-==============  ====================  =========  =================================================
-``allocate``    new blocks            (s,)       free blocks got refcount 1, appended to s's table
-``cache_hit``   cached blocks         (s,)       s reuses cached blocks (refcount +1), appended
-``incref``      parent's blocks       (p, c)     fork: child c shares all of p's blocks
-``cow_copy``    (src, dst)            (s,)       copy-on-write: s's last block src -> fresh dst
-``free``        s's blocks            (s,)       s finished: refcount -1 each, its table is gone
-``cache_store`` (b,)                  (s,)       s's full block b registered: ``info["hash"]``
-``evict``       (b,)                  (s,)       cached block b taken for s's new data; hash gone
-==============  ====================  =========  =================================================
+===============  ===================  ======  =====================================================
+kind             blocks               seqs    what happened
+===============  ===================  ======  =====================================================
+``allocate``     new blocks           (s,)    free blocks got refcount 1, appended to s's table
+``cache_hit``    cached blocks        (s,)    s reuses cached blocks (refcount +1), appended
+``incref``       parent's blocks      (p, c)  fork: child c shares all of p's blocks
+``cow_copy``     (src, dst)           (s,)    copy-on-write: s's last block src -> fresh dst
+``free``         s's blocks           (s,)    s finished: refcount -1 each, its table is gone
+``free``         s's CPU blocks       (s,)    ``info["cpu"]``: a swapped-out s finished (aborted)
+``cache_store``  (b,)                 (s,)    s's full block b registered: ``info["hash"]``
+``evict``        (b,)                 (s,)    cached block b taken for s's new data; hash gone
+``swap_out``     s's GPU blocks       (s,)    refcount -1 each; s's table is now
+                                              ``info["cpu_blocks"]``, in the CPU pool
+``swap_in``      s's new GPU blocks   (s,)    refcount +1 each, s's table again; it was
+                                              ``info["cpu_blocks"]``
+``preempt``      ()                   (s,)    the engine preempted s: ``info["mode"]`` is
+                                              ``"recompute"`` (s is freed) or ``"swap"``
+===============  ===================  ======  =====================================================
 
-The engine adds ``swap_out``, ``swap_in`` and ``preempt`` later. When nobody subscribes, ``emit``
-is a single ``if``: the manager pays nothing for the trace it is not asked for.
+A group swapped together (the samples of one request) gets one ``swap_out`` / ``swap_in`` per
+sequence; blocks they share appear in each of their events, as they do in their tables. The
+manager emits every kind but ``preempt``, which the engine emits to say *why* blocks moved. When
+nobody subscribes, ``emit`` is a single ``if``: the manager pays nothing for the trace it is not
+asked for.
 """
 
 from __future__ import annotations
@@ -128,7 +139,8 @@ class EventLog:
 
 
 class PoolReplay:
-    """The pool rebuilt from events alone: refcounts, block tables and cached hashes.
+    """The pool rebuilt from events alone: refcounts, block tables, cached hashes and the tables
+    of swapped-out sequences (``swapped``: sequence -> CPU block ids).
 
     It knows nothing of the manager's code; if the trace missed an operation, this state would
     drift from the real one, which is what the tests check.
@@ -137,6 +149,7 @@ class PoolReplay:
     def __init__(self, num_blocks: int) -> None:
         self.refcounts = [0] * num_blocks
         self.tables: dict[Hashable, list[int]] = {}
+        self.swapped: dict[Hashable, list[int]] = {}  # swapped-out tables: CPU block ids
         self.cached: dict[int, str] = {}  # block id -> hash (hex) of the KV it holds
 
     @classmethod
@@ -161,10 +174,24 @@ class PoolReplay:
             rc[src] -= 1
             rc[dst] += 1
             self.tables[e.seqs[0]][-1] = dst
+        elif e.kind == "free" and e.info.get("cpu"):  # a swapped-out sequence: GPU untouched
+            del self.swapped[e.seqs[0]]
         elif e.kind == "free":
             for b in e.blocks:
                 rc[b] -= 1
             del self.tables[e.seqs[0]]
+        elif e.kind == "swap_out":
+            for b in e.blocks:
+                rc[b] -= 1
+            del self.tables[e.seqs[0]]
+            self.swapped[e.seqs[0]] = list(e.info["cpu_blocks"])
+        elif e.kind == "swap_in":
+            for b in e.blocks:
+                rc[b] += 1
+            del self.swapped[e.seqs[0]]
+            self.tables[e.seqs[0]] = list(e.blocks)
+        elif e.kind == "preempt":
+            pass  # why blocks moved; the free or swap_out events around it say how
         elif e.kind == "cache_store":
             self.cached[e.blocks[0]] = e.info["hash"]
         elif e.kind == "evict":

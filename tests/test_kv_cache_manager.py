@@ -277,10 +277,16 @@ def test_stats_have_the_documented_keys_and_add_up():
         "evictions",
         "cow_copies",
         "allocation_failures",
+        "swapped_seqs",
+        "cpu_blocks",
+        "cpu_used_blocks",
+        "swap_out_blocks",
+        "swap_in_blocks",
     ):
         assert key in s
     assert s["used_blocks"] + s["free_blocks"] == s["num_blocks"] == 16
     assert (s["used_blocks"], s["shared_blocks"], s["num_seqs"]) == (3, 3, 2)
+    assert s["cpu_blocks"] == s["swapped_seqs"] == 0  # no swap pool unless asked for
 
 
 def test_check_invariants_names_what_broke():
