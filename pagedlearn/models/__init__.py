@@ -1,0 +1,22 @@
+"""Models: load GPT-2 / OPT (and other Hugging Face decoders) to run on the paged KV cache.
+
+``load("gpt2")``, ``load("facebook/opt-125m")``, a local folder or a ready ``PreTrainedModel``
+give a :class:`LoadedModel` (the model in eval mode, its tokenizer, its name). ``load("tiny-gpt2")``
+and ``load("tiny-opt")`` need no download: small random models with the byte tokenizer, so that
+every lab and test runs without a network. ``load("auto")`` takes the real GPT-2 when it is cached.
+
+This package imports torch; ``import pagedlearn`` alone does not import it.
+"""
+
+from pagedlearn.models.loader import OFFLINE_MODELS, LoadedModel, ModelLoadError, load, tiny_config
+from pagedlearn.models.tokenizer import ByteTokenizer, TokenizerError
+
+__all__ = [
+    "OFFLINE_MODELS",
+    "ByteTokenizer",
+    "LoadedModel",
+    "ModelLoadError",
+    "TokenizerError",
+    "load",
+    "tiny_config",
+]
