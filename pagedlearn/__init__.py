@@ -4,8 +4,11 @@ Read in this order: ``block_allocator`` (physical blocks, refcounts, free queue)
 (logical -> physical, slots), ``prefix_cache`` (hash chain over full blocks), ``kv_cache_manager``
 (all of it together: add / append / fork with copy-on-write / free), ``trace`` (every block event).
 
+Then ``engine`` (``LLM``, ``SamplingParams``: a model generating from the paged cache) and
+``models`` (plugging the cache into Hugging Face GPT-2 / OPT).
+
 The package imports only the standard library at load time; torch, Triton and transformers are
-imported by the parts that need them.
+imported by the parts that need them (``LLM`` and friends are looked up on first use).
 """
 
 from pagedlearn.block_allocator import BlockAllocator
@@ -14,4 +17,20 @@ from pagedlearn.kv_cache_manager import KVCacheManager
 
 __version__ = "0.1.0"
 
-__all__ = ["BlockAllocator", "KVCacheManager", "OutOfBlocksError", "PagedLearnError"]
+_ENGINE_NAMES = ("LLM", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput")
+
+__all__ = [
+    "BlockAllocator",
+    "KVCacheManager",
+    "OutOfBlocksError",
+    "PagedLearnError",
+    *_ENGINE_NAMES,
+]
+
+
+def __getattr__(name: str):
+    if name in _ENGINE_NAMES:  # imports torch and transformers, so only when asked for
+        import pagedlearn.engine
+
+        return getattr(pagedlearn.engine, name)
+    raise AttributeError(f"module 'pagedlearn' has no attribute {name!r}")

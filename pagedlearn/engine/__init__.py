@@ -1,0 +1,23 @@
+"""The serving engine: requests, sampling, continuous-batching scheduler, preemption, ``LLM``.
+
+Read in this order: ``sampling_params`` (what a request asks for), ``request`` (requests,
+sequences, outputs), ``scheduler`` (who runs each step; preemption), ``sampler`` and
+``beam_search`` (next tokens), ``llm_engine`` (one step end to end), ``llm`` (the front door).
+"""
+
+from pagedlearn.engine.llm import LLM
+from pagedlearn.engine.llm_engine import LLMEngine, RequestRejectedError
+from pagedlearn.engine.request import CompletionOutput, RequestOutput
+from pagedlearn.engine.sampling_params import BeamSearchParams, SamplingParams
+from pagedlearn.engine.stats import StepStats
+
+__all__ = [
+    "LLM",
+    "BeamSearchParams",
+    "CompletionOutput",
+    "LLMEngine",
+    "RequestOutput",
+    "RequestRejectedError",
+    "SamplingParams",
+    "StepStats",
+]

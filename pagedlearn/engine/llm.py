@@ -1,0 +1,247 @@
+"""``LLM``: vLLM's front door, small. Load a model, size the paged KV cache, generate.
+
+::
+
+    from pagedlearn import LLM, SamplingParams
+    llm = LLM("gpt2", num_blocks=256)            # or "facebook/opt-125m", "tiny-gpt2", a path, ...
+    outs = llm.generate(["Hello, my name is"], SamplingParams(max_tokens=20))
+    print(outs[0].outputs[0].text)
+
+Everything runs through :class:`~pagedlearn.engine.llm_engine.LLMEngine` (``llm.engine``), whose
+step-level API the notebooks use to watch the blocks move.
+
+How big is the cache? Either ``num_blocks`` blocks of ``block_size`` tokens, or as many as fit in
+``kv_cache_memory`` bytes (the paper's view: memory is the budget, blocks are the unit). Neither
+given: on a GPU, 40% of its free memory; on a CPU, 256 MiB -- in both cases no more than
+``max_num_seqs`` full-length sequences need. The constructor prints the bytes per token and the
+resulting capacity.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import torch
+
+from pagedlearn.engine.llm_engine import LLMEngine, RequestRejectedError
+from pagedlearn.engine.request import RequestOutput
+from pagedlearn.engine.sampling_params import BeamSearchParams, SamplingParams
+from pagedlearn.engine.scheduler import PREEMPTION_MODES
+from pagedlearn.errors import KernelUnavailableError, PagedLearnError
+from pagedlearn.kv_cache import KVCache
+from pagedlearn.kv_cache_manager import KVCacheManager
+from pagedlearn.models.runner import ModelRunner, kv_cache_spec, max_model_len
+
+CPU_DEFAULT_BYTES = 256 * 2**20
+GPU_DEFAULT_FRACTION = 0.4
+
+
+class LLM:
+    """Serve a Hugging Face causal LM (GPT-2, OPT, ...) from a paged KV cache.
+
+    ``model``: anything :func:`pagedlearn.models.load` takes ("gpt2", "facebook/opt-125m",
+    "tiny-gpt2", "tiny-opt", "auto", a local path, a ``PreTrainedModel``), or what it returned.
+    ``attention_backend``: "torch" (the PyTorch references), "triton" (the kernels; on a CPU only
+    with ``TRITON_INTERPRET=1`` set before triton is imported), or "auto" (Triton on a GPU, the
+    references on a CPU). ``swap_blocks``: size of the CPU swap pool in blocks (default: as many
+    as the device pool when ``preemption_mode="swap"``, else none).
+    """
+
+    def __init__(
+        self,
+        model="auto",
+        *,
+        tokenizer=None,
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        kv_cache_memory: int | None = None,
+        enable_prefix_caching: bool = True,
+        preemption_mode: str = "recompute",
+        swap_blocks: int | None = None,
+        attention_backend: str = "auto",
+        device: str = "auto",
+        dtype=None,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int | None = None,
+        verbose: bool = True,
+    ) -> None:
+        from pagedlearn.models import LoadedModel, load
+
+        _check_choice("preemption_mode", preemption_mode, PREEMPTION_MODES)
+        _check_choice("attention_backend", attention_backend, ("auto", "triton", "torch"))
+        _check_positive("block_size", block_size)
+        _check_positive("max_num_seqs", max_num_seqs)
+        if num_blocks is not None and kv_cache_memory is not None:
+            raise PagedLearnError("give num_blocks or kv_cache_memory, not both")
+        dev = torch.device(
+            ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+        )
+        backend = _pick_backend(attention_backend, dev)
+
+        loaded = model if isinstance(model, LoadedModel) else load(model, tokenizer, dtype)
+        hf_model = loaded.model.to(dev)
+        spec = kv_cache_spec(hf_model)
+        max_len = max_model_len(hf_model)
+        if num_blocks is None:
+            if kv_cache_memory is None:
+                kv_cache_memory = _default_budget(dev)
+                cap = -(-max_num_seqs * max_len // block_size)  # enough for max_num_seqs, full
+                num_blocks = min(spec.num_blocks_for(kv_cache_memory, block_size), cap)
+            else:
+                num_blocks = spec.num_blocks_for(kv_cache_memory, block_size)
+        _check_positive("num_blocks", num_blocks, hint=f"{spec.formula()}; the budget holds none")
+        if swap_blocks is None:
+            swap_blocks = num_blocks if preemption_mode == "swap" else 0
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = max(2048, max_len)
+        if max_num_batched_tokens < max_num_seqs:
+            raise PagedLearnError(
+                f"max_num_batched_tokens ({max_num_batched_tokens}) must be at least max_num_seqs "
+                f"({max_num_seqs}): every running sequence decodes one token per step"
+            )
+
+        kv = KVCacheManager(
+            num_blocks,
+            block_size,
+            enable_prefix_caching,
+            model_id=loaded.name,
+            num_cpu_blocks=swap_blocks,
+        )
+        cache = KVCache(spec, num_blocks, block_size, dev, swap_blocks)
+        runner = ModelRunner(hf_model, cache, backend)
+        self.engine = LLMEngine(
+            hf_model,
+            loaded.tokenizer,
+            kv,
+            cache,
+            runner,
+            max_len,
+            max_num_seqs,
+            max_num_batched_tokens,
+            preemption_mode,
+        )
+        self.model_name, self.device, self.attention_backend = loaded.name, dev, backend
+        self.offline_stand_in = loaded.offline_stand_in
+        self._num_generated = 0  # request ids of generate(): "gen-0", "gen-1", ...
+        if verbose:
+            print(
+                f"pagedlearn: {loaded.name} on {dev} ({spec.dtype}), attention: {backend}\n"
+                f"  KV cache: {spec.formula()}\n"
+                f"  {num_blocks} blocks x {block_size} tokens = {cache.num_tokens:,} tokens "
+                f"({cache.nbytes / 2**20:.1f} MiB)"
+                + (f"; swap pool {swap_blocks} blocks" if swap_blocks else "")
+            )
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    # --- generation -----------------------------------------------------------------------------
+    def generate(
+        self,
+        prompts,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (a string, a list of token ids, or a list of either), all
+        batched together; returns one :class:`RequestOutput` per prompt, in order.
+
+        A prompt that can never be served (too long for the model or the pool) does not stop the
+        others: its output has ``error`` set, no tokens, and finish reason "error"."""
+        return self._run(prompts, sampling_params or SamplingParams(), use_tqdm)
+
+    def beam_search(
+        self, prompts, params: BeamSearchParams, use_tqdm: bool = True
+    ) -> list[RequestOutput]:
+        """Beam search for every prompt; each output holds ``beam_width`` beams, best first."""
+        if not isinstance(params, BeamSearchParams):
+            raise PagedLearnError(
+                f"beam_search needs BeamSearchParams, got {type(params).__name__}"
+            )
+        return self._run(prompts, params, use_tqdm)
+
+    def _run(self, prompts, params, use_tqdm: bool) -> list[RequestOutput]:
+        from tqdm.auto import tqdm
+
+        prompts = _as_prompt_list(prompts)
+        if isinstance(params, (SamplingParams, BeamSearchParams)):
+            params = [params] * len(prompts)
+        elif len(params) != len(prompts):
+            raise PagedLearnError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        engine = self.engine
+        ids, results = [], {}
+        for prompt, p in zip(prompts, params, strict=True):
+            rid = f"gen-{self._num_generated}"
+            self._num_generated += 1
+            try:
+                engine.add_request(rid, prompt, p)
+            except RequestRejectedError as e:
+                results[rid] = _rejected(rid, prompt, str(e))
+                print(f"pagedlearn: {e}")
+            ids.append(rid)
+        pending = {rid for rid in ids if rid not in results}
+        with tqdm(total=len(ids), desc="requests", disable=not use_tqdm, leave=False) as bar:
+            bar.update(len(ids) - len(pending))
+            while pending and engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished and out.request_id in pending:
+                        results[out.request_id] = out
+                        pending.discard(out.request_id)
+                        bar.update(1)
+        return [results[rid] for rid in ids]
+
+
+def _as_prompt_list(prompts) -> list:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):  # one prompt of token ids
+        return [prompts]
+    return prompts
+
+
+def _rejected(rid: str, prompt, error: str) -> RequestOutput:
+    from pagedlearn.engine.request import CompletionOutput, RequestMetrics
+
+    text = prompt if isinstance(prompt, str) else None
+    ids = [] if isinstance(prompt, str) else list(prompt) if hasattr(prompt, "__iter__") else []
+    metrics = RequestMetrics(0.0)
+    out = CompletionOutput(0, "", [], 0.0, "error")
+    return RequestOutput(rid, text, ids, [out], True, metrics, 0, error)
+
+
+def _pick_backend(choice: str, dev: torch.device) -> str:
+    if choice == "auto":
+        from kernels import triton_available
+
+        return "triton" if dev.type == "cuda" and triton_available() else "torch"
+    if choice == "triton" and dev.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise KernelUnavailableError(
+            "attention_backend='triton' on a CPU needs Triton's interpreter: set "
+            "TRITON_INTERPRET=1 before triton is imported (e.g. `TRITON_INTERPRET=1 python ...`), "
+            "or use attention_backend='torch'"
+        )
+    return choice
+
+
+def _default_budget(dev: torch.device) -> int:
+    if dev.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(dev)
+        return int(free * GPU_DEFAULT_FRACTION)
+    return CPU_DEFAULT_BYTES
+
+
+def _check_choice(name: str, value, choices) -> None:
+    if value not in choices:
+        raise PagedLearnError(f"{name} must be one of {choices}, got {value!r}")
+
+
+def _check_positive(name: str, value, hint: str = "") -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise PagedLearnError(
+            f"{name} must be a positive int, got {value!r}" + (f" ({hint})" if hint else "")
+        )

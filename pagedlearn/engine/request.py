@@ -1,0 +1,152 @@
+"""Requests, their sequences, and what the engine hands back (vLLM's shapes and names).
+
+A *request* is one prompt with its parameters. It owns one or more *sequences*: one for plain
+generation, ``n`` for parallel sampling, up to ``beam_width`` live beams for beam search. Every
+sequence is a block table in the :class:`~pagedlearn.KVCacheManager`, under the id
+``"<request_id>.<i>"``; sequences of one request share blocks through ``fork``.
+
+A request moves between the scheduler's queues::
+
+    WAITING --admit (prefill)--> RUNNING --finish / abort--> FINISHED
+       ^                          |   ^
+       +--preempt (recompute)-----+   +--swap in--  SWAPPED  <--preempt (swap)--+
+
+A sequence's ``token_ids`` are its prompt plus every token sampled so far. The newest sampled token
+has no K/V yet: it is fed to the model in the next step, which writes its K/V into the slot the
+manager gives it. So between steps the manager holds ``len(token_ids) - 1`` tokens of a running
+sequence, and a sequence that is re-prefilled after a recompute preemption feeds all of them.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from pagedlearn.engine.sampling_params import BeamSearchParams, SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    """One generated continuation: its tokens, score so far, and why it stopped (if it did)."""
+
+    seq_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    cumulative_logprob: float = 0.0
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    index: int = 0  # its place among the request's outputs
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    """Timestamps (``time.perf_counter()`` seconds) of one request, and what operators derive."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    token_times: list[float] = field(default_factory=list)  # one per step that produced tokens
+    num_preemptions: int = 0
+
+    @property
+    def ttft(self) -> float | None:
+        """Time to first token: arrival -> first sampled token (queueing + prefill)."""
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+    @property
+    def mean_itl(self) -> float | None:
+        """Mean inter-token latency: the average gap between successive decode steps."""
+        t = self.token_times
+        return (t[-1] - t[0]) / (len(t) - 1) if len(t) > 1 else None
+
+    @property
+    def e2e(self) -> float | None:
+        """End-to-end time: arrival -> finished."""
+        return None if self.finished_time is None else self.finished_time - self.arrival_time
+
+
+@dataclass
+class Request:
+    """One prompt being served. ``seqs`` are its live sequences; ``done`` the finished ones."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams | BeamSearchParams
+    metrics: RequestMetrics
+    arrival_index: int  # FCFS order: smaller arrived earlier
+    seqs: list[Sequence] = field(default_factory=list)
+    done: list[Sequence] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
+    generator: object = None  # torch.Generator when params.seed is set
+    next_seq_index: int = 0
+    error: str | None = None
+
+    @property
+    def is_beam_search(self) -> bool:
+        return isinstance(self.params, BeamSearchParams)
+
+    @property
+    def seq_ids(self) -> list[str]:
+        return [s.seq_id for s in self.seqs]
+
+    def new_sequence(self, token_ids: list[int], cumulative_logprob: float = 0.0) -> Sequence:
+        i = self.next_seq_index
+        self.next_seq_index += 1
+        return Sequence(
+            f"{self.request_id}.{i}",
+            token_ids,
+            len(self.prompt_token_ids),
+            cumulative_logprob,
+            index=i,
+        )
+
+
+@dataclass
+class CompletionOutput:
+    """One sample (or beam) of a request, as in ``vllm.CompletionOutput``."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float
+    finish_reason: str | None
+
+
+@dataclass
+class RequestOutput:
+    """What ``generate`` returns per prompt, and ``step`` per request that made progress."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    error: str | None = None  # why the request was rejected, if it was
+
+    def __repr__(self) -> str:
+        texts = [o.text for o in self.outputs]
+        return (
+            f"RequestOutput(request_id={self.request_id!r}, finished={self.finished}, "
+            f"outputs={texts!r}, num_cached_tokens={self.num_cached_tokens})"
+        )

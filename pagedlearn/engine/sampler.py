@@ -1,0 +1,47 @@
+"""Turning logits into tokens: greedy, temperature, top-k, top-p, seeded.
+
+The reported log-probability of a token is taken from the model's *raw* distribution
+(``log_softmax(logits)``), before temperature or truncation, so that cumulative log-probabilities
+compare across sampling settings (and equal beam search's scores for the same tokens).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedlearn.engine.sampling_params import SamplingParams
+
+
+class Sampler:
+    """Picks next tokens from one step's logits ``(S, vocab)``, one row per scheduled sequence."""
+
+    def logprobs(self, logits: torch.Tensor) -> torch.Tensor:
+        """``log_softmax`` of all rows at once, on the CPU (sampling and beam search read them
+        there); float32 ``(S, vocab)``."""
+        return torch.log_softmax(logits.float(), dim=-1).cpu()
+
+    def sample(
+        self,
+        logprobs: torch.Tensor,  # (vocab,) one row of self.logprobs(...)
+        params: SamplingParams,
+        num_samples: int = 1,
+        generator: torch.Generator | None = None,
+    ) -> list[tuple[int, float]]:
+        """``num_samples`` independent draws ``(token, logprob)`` from one row."""
+        if params.greedy:  # argmax; ties go to the lowest id, as in transformers
+            token = int(torch.argmax(logprobs))
+            return [(token, float(logprobs[token]))] * num_samples
+        scores = logprobs / params.temperature  # same softmax as logits / T: the shift cancels
+        if params.top_k > 0 and params.top_k < scores.numel():
+            kth = torch.topk(scores, params.top_k).values[-1]
+            scores = scores.masked_fill(scores < kth, float("-inf"))
+        if params.top_p < 1.0:
+            sorted_scores, order = torch.sort(scores, descending=True)
+            cumulative = torch.softmax(sorted_scores, dim=-1).cumsum(-1)
+            # Keep a token if the probability mass *before* it is still below top_p: the most
+            # likely token always survives.
+            drop = (cumulative - torch.softmax(sorted_scores, dim=-1)) >= params.top_p
+            scores = scores.scatter(0, order[drop], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        tokens = torch.multinomial(probs, num_samples, replacement=True, generator=generator)
+        return [(int(t), float(logprobs[t])) for t in tokens]

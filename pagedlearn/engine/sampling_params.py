@@ -1,0 +1,99 @@
+"""How to pick next tokens: :class:`SamplingParams` (vLLM's names) and :class:`BeamSearchParams`.
+
+Parameters are checked when they are made, so a bad value fails at once with a message that names
+it, before any request is queued.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagedlearn.errors import PagedLearnError
+
+
+def _check_int(name: str, value, low: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise PagedLearnError(f"{name} must be an int >= {low}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling settings, as in ``vllm.SamplingParams``.
+
+    - ``max_tokens``: the most tokens to generate (the request finishes with reason "length").
+    - ``temperature``: 0 is greedy (argmax); higher flattens the distribution.
+    - ``top_k`` (-1: off) and ``top_p`` (1.0: off) cut the distribution to the k most likely
+      tokens / the smallest set whose probability reaches p, before sampling.
+    - ``seed``: a private random generator for this request, so its samples are reproducible
+      whatever else runs in the same batch.
+    - ``n``: how many samples of the same prompt. They share the prompt's KV blocks (fork) and
+      copy only the last, partly filled block when they first write different tokens into it.
+    - ``stop_token_ids``: extra tokens that end a sample (finish reason "stop"); the model's EOS
+      always does, unless ``ignore_eos`` (useful to generate fixed lengths in benchmarks).
+    """
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    n: int = 1
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        _check_int("max_tokens", self.max_tokens, 1)
+        _check_int("n", self.n, 1)
+        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
+            raise PagedLearnError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise PagedLearnError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k == 0 or self.top_k < -1:
+            raise PagedLearnError(f"top_k must be -1 (off) or >= 1, got {self.top_k!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
+            raise PagedLearnError(f"seed must be None or an int >= 0, got {self.seed!r}")
+        try:
+            stops = tuple(int(t) for t in self.stop_token_ids)
+        except (TypeError, ValueError):
+            raise PagedLearnError(
+                f"stop_token_ids must be ints, got {self.stop_token_ids!r}"
+            ) from None
+        object.__setattr__(self, "stop_token_ids", stops)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass(frozen=True)
+class BeamSearchParams:
+    """Beam search settings, as in ``vllm.sampling_params.BeamSearchParams``.
+
+    Each step keeps the ``beam_width`` best partial sequences by cumulative log-probability. Beams
+    are forked sequences: they share their common past's KV blocks (copy-on-write), and a beam
+    that falls out of the top ``beam_width`` frees its blocks at once. A finished beam is scored
+    ``cumulative_logprob / num_generated_tokens ** length_penalty`` (1.0: average log-probability
+    per token; 0: no normalisation, which favours short outputs).
+    """
+
+    beam_width: int = 4
+    max_tokens: int = 16
+    length_penalty: float = 1.0
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        _check_int("beam_width", self.beam_width, 1)
+        _check_int("max_tokens", self.max_tokens, 1)
+        if not isinstance(self.length_penalty, (int, float)):
+            raise PagedLearnError(f"length_penalty must be a number, got {self.length_penalty!r}")
+
+    @property
+    def n(self) -> int:
+        return self.beam_width
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        return ()
+
+    def score(self, cumulative_logprob: float, num_tokens: int) -> float:
+        return cumulative_logprob / max(num_tokens, 1) ** self.length_penalty

@@ -1,0 +1,275 @@
+"""The scheduler: iteration-level (continuous) batching over a fixed pool of KV blocks.
+
+Every step it decides which requests run, with the paper's policy (section 4.5, as in vLLM V0):
+
+1. **Running** requests, oldest first, each get one new token per sequence (a decode). Appending
+   may need a block (a sequence crossed a block boundary, or a shared last block must be copied).
+   When the pool has too few free blocks, the *most recently arrived* running request is preempted
+   to make room -- possibly the very request asking, if it is the youngest left:
+   - ``recompute``: its blocks are freed and it goes back to ``waiting``, keeping the tokens it
+     generated; when readmitted, it prefills prompt + generated tokens in one pass (with prefix
+     caching, its earlier full blocks may still be in the cache and are not recomputed);
+   - ``swap``: its blocks are copied to the CPU swap pool; it waits in ``swapped`` and is copied
+     back before it resumes.
+   A request is checked *before* any of its sequences appends, so a preempted request never
+   leaves a half-written step behind.
+2. **Swapped** requests come back first, in arrival order (FCFS), when the pool has room.
+3. **Waiting** requests are admitted (prefill) in arrival order while the block budget, the
+   per-step token budget (``max_num_batched_tokens``) and ``max_num_seqs`` allow. Prefill of new
+   requests runs in the same step as the decodes: one packed batch. Nothing is admitted in a step
+   that preempted (the pool is tight) or while swapped requests wait (they came first), and a
+   small watermark of free blocks is kept so that a new prompt does not cause a preemption in
+   the very next step.
+
+A request that can never fit -- it needs more blocks than the whole pool, even alone -- is failed
+with an error for that request alone; the others go on.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from pagedlearn.engine.request import Request, RequestStatus, Sequence
+from pagedlearn.errors import OutOfBlocksError
+from pagedlearn.kv_cache_manager import KVCacheManager
+
+PREEMPTION_MODES = ("recompute", "swap")
+
+
+@dataclass
+class ScheduledSequence:
+    """One sequence's work this step: ``new_tokens`` at positions ``start_pos...``, K/V into
+    ``slots``; a prefill when several (or all the prompt's) tokens are new."""
+
+    request: Request
+    seq: Sequence
+    start_pos: int
+    new_tokens: list[int]
+    slots: list[int]
+    block_table: list[int]
+    is_prefill: bool
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSequence] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, cpu block)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu block, device block)
+    preempted: list[Request] = field(default_factory=list)
+    failed: list[Request] = field(default_factory=list)  # can never fit; request.error says why
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(len(s.new_tokens) for s in self.scheduled)
+
+
+class Scheduler:
+    """Holds the ``waiting``, ``running`` and ``swapped`` queues (each in arrival order)."""
+
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        preemption_mode: str = "recompute",
+    ) -> None:
+        self.kv = kv
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.preemption_mode = preemption_mode
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.swapped: list[Request] = []
+        self.watermark = max(1, kv.allocator.num_blocks // 100)
+        self.num_preemptions = {"recompute": 0, "swap": 0}
+
+    def add(self, req: Request) -> None:
+        self._enqueue(self.waiting, req, RequestStatus.WAITING)
+
+    def remove(self, req: Request) -> None:
+        """Take a request out of whichever queue holds it and free its blocks (abort, finish)."""
+        for queue in (self.waiting, self.running, self.swapped):
+            if req in queue:
+                queue.remove(req)
+        for seq in req.seqs:
+            if seq.seq_id in self.kv:
+                self.kv.free_sequence(seq.seq_id)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    # --- one step --------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        self._schedule_running(out)
+        if not out.preempted:
+            self._schedule_swapped(out)
+            if not self.swapped:
+                self._schedule_waiting(out)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput) -> None:
+        queue, kept = list(self.running), []
+        while queue:
+            req = queue.pop(0)  # the oldest not yet handled
+            while self.kv.blocks_to_append(req.seq_ids) > self.kv.num_free_blocks:
+                victim = queue.pop() if queue else req  # the youngest; it has not appended yet
+                self._preempt(victim, out)
+                if victim is req:
+                    break
+            else:
+                self._append(req, out)
+                kept.append(req)
+        self.running = kept
+
+    def _schedule_swapped(self, out: SchedulerOutput) -> None:
+        kv = self.kv
+        while self.swapped:
+            req = self.swapped[0]
+            ids = req.seq_ids
+            if not self._fits_budgets(req, len(ids), out):
+                return
+            alone = not self.running
+            # Room for the copies back plus, to be safe, one new block per sequence to append.
+            need = kv.blocks_to_swap_in(ids) + (0 if alone else len(ids))
+            if need > kv.num_free_blocks:
+                if alone:
+                    self._fail(
+                        req,
+                        out,
+                        f"needs {need} blocks to resume, the pool has {kv.allocator.num_blocks}",
+                    )
+                    continue
+                return
+            self.swapped.pop(0)
+            out.swap_in.extend(kv.swap_in(ids))
+            if kv.blocks_to_append(ids) > kv.num_free_blocks:  # only when it was alone
+                self._fail(
+                    req, out, f"grew past the whole pool of {kv.allocator.num_blocks} blocks"
+                )
+                continue
+            self._enqueue(self.running, req, RequestStatus.RUNNING)
+            self._append(req, out)
+
+    def _schedule_waiting(self, out: SchedulerOutput) -> None:
+        kv, bs = self.kv, self.kv.block_size
+        while self.waiting:
+            req = self.waiting[0]
+            if not self._fits_budgets(req, req.params.n, out):
+                return
+            alone = not self.running
+            blocks = sum(-(-len(s.token_ids) // bs) for s in req.seqs)  # ignoring cache hits
+            if not alone and blocks + self.watermark > kv.num_free_blocks:
+                return
+            if not self._admit(req, out):
+                if alone:  # even an empty pool cannot hold it
+                    self._fail(
+                        req,
+                        out,
+                        f"needs {blocks} blocks for its {sum(len(s.token_ids) for s in req.seqs)} "
+                        f"tokens, more than the whole pool of {kv.allocator.num_blocks}",
+                    )
+                    continue
+                return
+            self.waiting.pop(0)
+            self._enqueue(self.running, req, RequestStatus.RUNNING)
+
+    # --- helpers ---------------------------------------------------------------------------------
+    def _fits_budgets(self, req: Request, num_seqs: int, out: SchedulerOutput) -> bool:
+        seqs_now = sum(len(r.seqs) for r in self.running)
+        if seqs_now + num_seqs > self.max_num_seqs:
+            return False
+        new_tokens = (
+            sum(len(s.token_ids) for s in req.seqs)
+            if req.status is RequestStatus.WAITING
+            else len(req.seqs)
+        )
+        # A prompt longer than the budget still runs when it is alone in the step.
+        return (
+            not out.scheduled or out.num_batched_tokens + new_tokens <= self.max_num_batched_tokens
+        )
+
+    def _admit(self, req: Request, out: SchedulerOutput) -> bool:
+        """Give every sequence of a waiting request its blocks (all or none) and schedule its
+        prefill. Returns False, changing nothing, when they do not fit."""
+        kv = self.kv
+        if len(req.seqs) > 1:  # re-admission after recompute: check first, so nothing can fail
+            blocks = sum(-(-len(s.token_ids) // kv.block_size) for s in req.seqs)
+            if blocks > kv.num_free_blocks:
+                return False
+        reused = []
+        for seq in req.seqs:
+            try:
+                reused.append(kv.add_sequence(seq.seq_id, seq.token_ids))
+            except OutOfBlocksError:  # only a single sequence gets here, so nothing to undo
+                return False
+        if req.metrics.first_scheduled_time is None:
+            req.num_cached_tokens = reused[0]
+        for seq, r in zip(req.seqs, reused, strict=True):
+            out.scheduled.append(
+                ScheduledSequence(
+                    req,
+                    seq,
+                    r,
+                    seq.token_ids[r:],
+                    kv.slot_mapping(seq.seq_id)[r:],
+                    kv.block_table(seq.seq_id),
+                    is_prefill=True,
+                )
+            )
+        return True
+
+    def _append(self, req: Request, out: SchedulerOutput) -> None:
+        for seq in req.seqs:  # the newest token has no K/V yet: it is this step's input
+            slot = self.kv.append_token(seq.seq_id, seq.token_ids[-1])
+            pos = len(seq.token_ids) - 1
+            out.scheduled.append(
+                ScheduledSequence(
+                    req,
+                    seq,
+                    pos,
+                    [seq.token_ids[-1]],
+                    [slot],
+                    self.kv.block_table(seq.seq_id),
+                    is_prefill=False,
+                )
+            )
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        ids = req.seq_ids
+        mode = self.preemption_mode
+        if mode == "swap":
+            try:
+                out.swap_out.extend(self.kv.swap_out(ids))
+            except OutOfBlocksError:  # the CPU pool is full: fall back to recomputing
+                mode = "recompute"
+        if mode == "recompute":
+            for seq_id in ids:
+                self.kv.free_sequence(seq_id)
+        self.kv.trace.emit("preempt", (), tuple(ids), mode=mode)
+        self.num_preemptions[mode] += 1
+        req.metrics.num_preemptions += 1
+        out.preempted.append(req)
+        if req in self.running:
+            self.running.remove(req)
+        if mode == "swap":
+            self._enqueue(self.swapped, req, RequestStatus.SWAPPED)
+        else:
+            self._enqueue(self.waiting, req, RequestStatus.WAITING)
+
+    def _fail(self, req: Request, out: SchedulerOutput, why: str) -> None:
+        for queue in (self.waiting, self.swapped, self.running):
+            if req in queue:
+                queue.remove(req)
+        for seq in req.seqs:
+            if seq.seq_id in self.kv:
+                self.kv.free_sequence(seq.seq_id)
+        req.error = f"request {req.request_id!r} can never fit: it {why}"
+        out.failed.append(req)
+
+    @staticmethod
+    def _enqueue(queue: list[Request], req: Request, status: RequestStatus) -> None:
+        """Insert keeping arrival order, so every queue is served first come, first served."""
+        req.status = status
+        keys = [r.arrival_index for r in queue]
+        queue.insert(bisect.bisect(keys, req.arrival_index), req)

@@ -1,0 +1,76 @@
+"""Per-step statistics: the numbers a vLLM operator watches on a dashboard.
+
+After every ``step()`` the engine builds one :class:`StepStats` and hands it to its subscribers
+(``engine.subscribe_stats(fn)``). Queue sizes and pool usage describe the moment after the step;
+the counters (prefix-cache tokens, evictions, preemptions, swaps, allocation failures) are
+running totals since the engine started, so a plot of them is monotone and a difference of two
+steps gives the rate.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True)
+class StepStats:
+    step: int
+    # requests in each queue after the step, and the sequences they hold
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    num_running_seqs: int
+    # the step itself
+    num_batched_tokens: int  # tokens in this step's forward pass (prefill + decode)
+    num_prefill_seqs: int
+    num_decode_seqs: int
+    step_time: float  # seconds, the whole step
+    forward_time: float  # seconds in the model (input tensors, forward, logits)
+    bookkeeping_time: float  # seconds in the scheduler and the block manager
+    # the block pool
+    num_blocks: int
+    used_blocks: int
+    free_blocks: int
+    cached_blocks: int  # free, but still holding a findable cached prefix
+    cpu_used_blocks: int  # in the swap pool
+    # running totals
+    prefix_query_tokens: int
+    prefix_hit_tokens: int
+    evictions: int
+    preemptions_recompute: int
+    preemptions_swap: int
+    swap_out_blocks: int
+    swap_in_blocks: int
+    cow_copies: int
+    allocation_failures: int
+    num_finished: int
+    num_failed: int
+
+    @property
+    def usage(self) -> float:
+        """Percent of the pool's blocks referenced by a running sequence."""
+        return 100.0 * self.used_blocks / self.num_blocks
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """Percent of prompt tokens served from the prefix cache, so far."""
+        return 100.0 * self.prefix_hit_tokens / max(self.prefix_query_tokens, 1)
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "usage": self.usage, "prefix_hit_rate": self.prefix_hit_rate}
+
+    def summary(self) -> str:
+        """A few lines of text, for the demo and for logs."""
+        return (
+            f"step {self.step}: running {self.num_running} ({self.num_running_seqs} seqs), "
+            f"waiting {self.num_waiting}, swapped {self.num_swapped}\n"
+            f"  blocks: used {self.used_blocks}/{self.num_blocks} ({self.usage:.0f}%), "
+            f"free {self.free_blocks} (cached {self.cached_blocks}), "
+            f"in swap {self.cpu_used_blocks}\n"
+            f"  prefix cache: {self.prefix_hit_tokens}/{self.prefix_query_tokens} prompt tokens "
+            f"hit ({self.prefix_hit_rate:.0f}%), evictions {self.evictions}\n"
+            f"  preemptions: recompute {self.preemptions_recompute}, swap {self.preemptions_swap} "
+            f"(blocks out {self.swap_out_blocks}, in {self.swap_in_blocks}); copy-on-write "
+            f"{self.cow_copies}; allocation failures {self.allocation_failures}\n"
+            f"  finished {self.num_finished}, failed {self.num_failed}"
+        )

@@ -1,0 +1,141 @@
+"""The physical KV cache: the tensors that the block ids of :mod:`kv_cache_manager` point into.
+
+The manager only hands out ids; this module owns the memory. One *slab* per model holds every
+layer's keys and values::
+
+    slab: (2, num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+           K/V  layer     physical block  slot in block  head  channel
+
+``slab[0, layer]`` is layer ``layer``'s key cache and ``slab[1, layer]`` its value cache, each a
+contiguous ``(num_blocks, block_size, num_kv_heads, head_dim)`` view -- the layout the attention
+references and the Triton kernels read. Because block ``b`` sits at the same index in every layer,
+one indexing operation copies a block for all layers at once: that is how copy-on-write copies
+(``copy_blocks``) and swapping (``swap_out`` / ``swap_in``) are applied.
+
+How much memory is that? Every token stores a key and a value vector per layer and KV head::
+
+    bytes per token = 2 * num_layers * num_kv_heads * head_dim * bytes per element
+
+which is the paper's ``4 * L * H * D`` bytes for fp16 (2 bytes per element, H heads of size D; the
+paper writes the hidden size H*D as one number). GPT-2 small in fp16: 2 * 12 * 12 * 64 * 2 =
+36,864 bytes, 36 KiB for every token of every sequence.
+
+The swap pool is a second, smaller slab in CPU memory (pinned when a GPU is used, so copies are
+asynchronous DMA). The manager's second allocator hands out its block ids.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedlearn.errors import PagedLearnError
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """The shape of one model's KV cache per token: what the slab is made of."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_token(self) -> int:
+        """2 (K and V) x layers x KV heads x head_dim x element size."""
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+
+    def formula(self) -> str:
+        """The bytes-per-token formula with this model's numbers, for printing."""
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        dtype = str(self.dtype).removeprefix("torch.")
+        return (
+            f"2 x {self.num_layers} layers x {self.num_kv_heads} KV heads x {self.head_dim} "
+            f"head_dim x {elem} B ({dtype}) = {self.bytes_per_token:,} B per token"
+        )
+
+    def num_blocks_for(self, memory_bytes: int, block_size: int) -> int:
+        """How many whole blocks fit in ``memory_bytes``."""
+        return int(memory_bytes) // (block_size * self.bytes_per_token)
+
+
+class KVCache:
+    """The KV slab of one model on ``device``, plus an optional CPU swap slab.
+
+    >>> spec = KVCacheSpec(num_layers=2, num_kv_heads=1, head_dim=4, dtype=torch.float32)
+    >>> cache = KVCache(spec, num_blocks=3, block_size=2)
+    >>> cache.key_cache(0).shape        # (num_blocks, block_size, num_kv_heads, head_dim)
+    torch.Size([3, 2, 1, 4])
+    >>> cache.key_cache(1)[0] = 1.0; cache.copy_blocks([(0, 2)]); cache.key_cache(1)[2].sum().item()
+    8.0
+    """
+
+    def __init__(
+        self,
+        spec: KVCacheSpec,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device | str = "cpu",
+        num_cpu_blocks: int = 0,
+    ) -> None:
+        if num_blocks < 1:
+            raise PagedLearnError(f"the KV cache needs at least one block, got {num_blocks}")
+        self.spec, self.num_blocks, self.block_size = spec, num_blocks, block_size
+        self.device = torch.device(device)
+        shape = (2, spec.num_layers, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+        # Zeros, not empty: a kernel bug that reads an unwritten slot then shows up as a wrong
+        # number in a test rather than as whatever the allocator left there.
+        self.slab = torch.zeros(shape, dtype=spec.dtype, device=self.device)
+        self.cpu_slab = None
+        if num_cpu_blocks > 0:
+            cpu_shape = (2, spec.num_layers, num_cpu_blocks, *shape[3:])
+            pin = self.device.type == "cuda"
+            self.cpu_slab = torch.zeros(cpu_shape, dtype=spec.dtype, pin_memory=pin)
+
+    @property
+    def num_tokens(self) -> int:
+        """Token capacity: num_blocks x block_size."""
+        return self.num_blocks * self.block_size
+
+    @property
+    def nbytes(self) -> int:
+        return self.slab.numel() * self.slab.element_size()
+
+    def key_cache(self, layer: int) -> torch.Tensor:
+        return self.slab[0, layer]  # (num_blocks, block_size, num_kv_heads, head_dim)
+
+    def value_cache(self, layer: int) -> torch.Tensor:
+        return self.slab[1, layer]
+
+    # --- block copies, all layers at once -------------------------------------------------------
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write: block ``src`` -> block ``dst`` for every ``(src, dst)``, K and V, every
+        layer. Sources are read before any destination is written (one gather, one scatter)."""
+        if pairs:
+            src, dst = self._index(pairs, self.device)
+            self.slab[:, :, dst] = self.slab[:, :, src]
+
+    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy device blocks to the CPU swap pool: ``(device_block, cpu_block)`` pairs."""
+        if pairs:
+            src, dst = self._index(pairs, self.device)
+            self._swap_slab()[:, :, dst.cpu()] = self.slab[:, :, src].to("cpu")
+
+    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy blocks back from the CPU swap pool: ``(cpu_block, device_block)`` pairs."""
+        if pairs:
+            src, dst = self._index(pairs, self.device)
+            self.slab[:, :, dst] = self._swap_slab()[:, :, src.cpu()].to(self.device)
+
+    def _swap_slab(self) -> torch.Tensor:
+        if self.cpu_slab is None:
+            raise PagedLearnError("this KV cache has no CPU swap pool (num_cpu_blocks=0)")
+        return self.cpu_slab
+
+    @staticmethod
+    def _index(pairs, device) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = torch.tensor(pairs, dtype=torch.long).T  # (2, num_pairs): sources, destinations
+        return idx[0].to(device), idx[1].to(device)

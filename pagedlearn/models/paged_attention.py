@@ -1,0 +1,116 @@
+"""Plugging the paged KV cache into Hugging Face models, without re-implementing them.
+
+transformers lets a model's attention layers call any function registered under a name in its
+``AttentionInterface`` (that is how its SDPA, FlashAttention and flex-attention backends plug in).
+We register :func:`paged_attention_forward` as ``"pagedlearn"`` and switch a model to it with
+``model.set_attn_implementation("pagedlearn")``. GPT-2, OPT and other decoders then run unmodified:
+they compute q, k, v as always and hand them to us, and we
+
+1. write the new tokens' k and v into their slots of the paged cache (``write_kv``), then
+2. compute attention for the new queries over everything in the cache, reading it through the
+   block tables (``paged_attention_decode`` when every sequence brings one token,
+   ``paged_attention_prefill`` when some bring several).
+
+The write comes first in every layer, so a query sees its own key, and a sequence that shares a
+block written in this very step (a prefix-cache hit on a prompt being prefilled next to it) reads
+the freshly written values.
+
+The batch is *packed*: all scheduled tokens of all sequences form one row, ``(1, total_tokens)``,
+with no padding (vLLM and transformers' own continuous batching do the same). Which token belongs
+to which sequence, where its K/V go, and which blocks each sequence reads travel in a
+:class:`PagedAttentionMetadata` passed as the keyword ``paged_metadata`` of the model's forward;
+transformers forwards unknown keywords down to the attention function. Positions are passed
+explicitly too: OPT, for one, derives them from the attention mask unless it gets ``position_ids``,
+and the packed row has no mask. Because no mask function is registered for ``"pagedlearn"``,
+transformers does not build a (total_tokens x total_tokens) causal mask that we would not use.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedlearn.errors import PagedLearnError
+from pagedlearn.kv_cache import KVCache
+
+ATTN_IMPLEMENTATION = "pagedlearn"
+BACKENDS = ("torch", "triton")
+
+
+@dataclass
+class PagedAttentionMetadata:
+    """What every attention layer needs to know about the packed batch, built once per step.
+
+    ``S`` sequences bring ``T`` new tokens in total; sequence ``i``'s tokens are rows
+    ``cu_seqlens_q[i]:cu_seqlens_q[i+1]`` of the packed batch.
+    """
+
+    kv_cache: KVCache
+    slot_mapping: torch.Tensor  # (T,) int64: where each new token's K/V are written
+    block_tables: torch.Tensor  # (S, max_blocks) int32, padded with -1 (never read)
+    context_lens: torch.Tensor  # (S,) int32: tokens in the cache after this step, new ones included
+    cu_seqlens_q: torch.Tensor  # (S + 1,) int32: prefix sums of the new tokens per sequence
+    max_query_len: int  # the most new tokens any sequence brings (1 for a pure decode step)
+    backend: str = "torch"  # "torch": pagedlearn.attention references; "triton": kernels/
+
+    @property
+    def decode_only(self) -> bool:
+        return self.max_query_len == 1
+
+
+def _ops(backend: str):
+    """(write_kv, decode, prefill) for a backend; the kernels share the references' signatures."""
+    if backend == "triton":
+        from kernels import paged_attention_decode, paged_attention_prefill, write_kv
+
+        return write_kv, paged_attention_decode, paged_attention_prefill
+    from pagedlearn.attention import paged_attention_prefill_ref, paged_attention_ref, write_kv_ref
+
+    return write_kv_ref, paged_attention_ref, paged_attention_prefill_ref
+
+
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,  # (1, num_heads, T, head_dim)
+    key: torch.Tensor,  # (1, num_kv_heads, T, head_dim)
+    value: torch.Tensor,  # (1, num_kv_heads, T, head_dim)
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    paged_metadata: PagedAttentionMetadata | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention signature; returns ``((1, T, num_heads, head_dim), None)``."""
+    meta = paged_metadata
+    if meta is None:
+        raise PagedLearnError(
+            f"{type(module).__name__} uses pagedlearn's paged attention but was called without "
+            "paged_metadata: run the model through pagedlearn's ModelRunner, or switch it back "
+            "with model.set_attn_implementation('sdpa')"
+        )
+    if query.shape[0] != 1:
+        raise PagedLearnError(f"paged attention expects one packed row, got batch {query.shape[0]}")
+    layer = module.layer_idx
+    write_kv, decode, prefill = _ops(meta.backend)
+    q = query[0].transpose(0, 1)  # (T, num_heads, head_dim), a strided view: no copy
+    k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)  # (T, num_kv_heads, head_dim)
+    key_cache, value_cache = meta.kv_cache.key_cache(layer), meta.kv_cache.value_cache(layer)
+
+    write_kv(k, v, key_cache, value_cache, meta.slot_mapping)  # first write, then read
+    if meta.decode_only:  # one query per sequence: the decode kernel, one row per sequence
+        out = decode(q, key_cache, value_cache, meta.block_tables, meta.context_lens, scaling)
+    else:
+        args = (q, key_cache, value_cache, meta.block_tables, meta.cu_seqlens_q, meta.context_lens)
+        if meta.backend == "triton":
+            out = prefill(*args, scaling, max_query_len=meta.max_query_len)
+        else:
+            out = prefill(*args, scaling)
+    return out.unsqueeze(0), None  # (1, T, num_heads, head_dim), as transformers expects
+
+
+def register() -> None:
+    """Register the function with transformers (idempotent)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)

@@ -1,0 +1,126 @@
+"""The model runner: turn one scheduled step into one packed forward pass and its logits.
+
+The scheduler decides *which* tokens run this step; the runner lays them out for the model. Every
+scheduled sequence brings its new tokens (a whole prompt, the part of a prompt the prefix cache did
+not cover, or one decoded token), and they are concatenated into a single row::
+
+    seq A prefill (4 tokens)    seq B decode    seq C decode
+    input_ids     [a0 a1 a2 a3 | b7           | c12        ]     (1, T) with T = 6
+    position_ids  [ 0  1  2  3 |  7           |  12        ]     the tokens' true positions
+    slot_mapping  [s  s  s  s  | s            | s          ]     where each token's K/V go
+    cu_seqlens_q  [0, 4, 5, 6]                                    sequence i owns rows cu[i]:cu[i+1]
+
+Block tables and context lengths tell attention where each sequence's earlier K/V live. Only the
+last position of each sequence needs logits (the next token is sampled from it), so the LM head
+runs on ``S`` rows, not ``T`` (``logits_to_keep``).
+
+Which model fields give the KV shape: :data:`KV_SHAPES` has an entry per ``model_type`` whose
+config spells them differently; any decoder whose config has the usual ``num_hidden_layers``,
+``num_attention_heads`` (and ``num_key_value_heads`` / ``head_dim`` if it has them) needs none.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from pagedlearn.errors import PagedLearnError
+from pagedlearn.kv_cache import KVCache, KVCacheSpec
+from pagedlearn.models.paged_attention import (
+    ATTN_IMPLEMENTATION,
+    BACKENDS,
+    PagedAttentionMetadata,
+    register,
+)
+
+
+def _default_kv_shape(c) -> tuple[int, int, int]:
+    heads = c.num_attention_heads
+    kv_heads = getattr(c, "num_key_value_heads", None) or heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+    return c.num_hidden_layers, kv_heads, head_dim
+
+
+# model_type -> config -> (num_layers, num_kv_heads, head_dim). A new decoder needs an entry here
+# only if its config names these differently.
+KV_SHAPES: dict[str, Callable] = {
+    "gpt2": lambda c: (c.n_layer, c.n_head, c.n_embd // c.n_head),
+    "opt": _default_kv_shape,
+}
+
+
+def kv_cache_spec(model, dtype: torch.dtype | None = None) -> KVCacheSpec:
+    """The per-token KV shape of a Hugging Face causal LM (in the model's dtype by default)."""
+    config = model.config
+    layers, kv_heads, head_dim = KV_SHAPES.get(config.model_type, _default_kv_shape)(config)
+    return KVCacheSpec(layers, kv_heads, head_dim, dtype or model.dtype)
+
+
+def max_model_len(model) -> int:
+    """The most positions the model has embeddings for (GPT-2: 1024, OPT: 2048)."""
+    c = model.config
+    for name in ("max_position_embeddings", "n_positions"):
+        if getattr(c, name, None):
+            return int(getattr(c, name))
+    raise PagedLearnError(f"cannot tell the maximum length of {c.model_type!r} from its config")
+
+
+@dataclass
+class SequenceInput:
+    """One scheduled sequence's share of the step: ``new_tokens`` at positions
+    ``start_pos .. start_pos + len(new_tokens) - 1``, whose K/V go to ``slots``."""
+
+    new_tokens: Sequence[int]
+    start_pos: int
+    slots: Sequence[int]
+    block_table: Sequence[int]
+
+
+class ModelRunner:
+    """Runs a Hugging Face causal LM over a paged KV cache, one packed batch per call."""
+
+    def __init__(self, model, kv_cache: KVCache, backend: str = "torch") -> None:
+        if backend not in BACKENDS:
+            raise PagedLearnError(f"attention backend must be one of {BACKENDS}, got {backend!r}")
+        register()
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        self.model, self.kv_cache, self.backend = model, kv_cache, backend
+        self.device = kv_cache.device
+
+    @torch.inference_mode()
+    def execute(self, seqs: Sequence[SequenceInput]) -> torch.Tensor:
+        """One forward pass over all new tokens; returns logits ``(S, vocab)`` in float32, one row
+        per sequence: the prediction after its last new token."""
+        ids, positions, slots, cu, lens = [], [], [], [0], []
+        for s in seqs:
+            n = len(s.new_tokens)
+            ids.extend(s.new_tokens)
+            positions.extend(range(s.start_pos, s.start_pos + n))
+            slots.extend(s.slots)
+            cu.append(cu[-1] + n)
+            lens.append(s.start_pos + n)
+        width = max(len(s.block_table) for s in seqs)
+        tables = [list(s.block_table) + [-1] * (width - len(s.block_table)) for s in seqs]
+
+        dev = self.device
+        cu_t = torch.tensor(cu, dtype=torch.int32)
+        meta = PagedAttentionMetadata(
+            kv_cache=self.kv_cache,
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
+            context_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
+            cu_seqlens_q=cu_t.to(dev),
+            max_query_len=max(len(s.new_tokens) for s in seqs),
+            backend=self.backend,
+        )
+        last = (cu_t[1:] - 1).to(dev, torch.int64)  # (S,) the row of each sequence's last token
+        out = self.model(
+            input_ids=torch.tensor([ids], device=dev),
+            position_ids=torch.tensor([positions], device=dev),
+            use_cache=False,  # the paged cache is ours; no transformers Cache object
+            logits_to_keep=last,
+            paged_metadata=meta,
+        )
+        return out.logits[0].float()  # (S, vocab)

@@ -1,0 +1,216 @@
+"""The engine on tiny offline models (CPU, fp32): same tokens and logits as transformers, whatever
+the block size, caching, preemption or attention backend; sharing, beams, aborts, rejections."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from engine_cases import (
+    PROMPTS,
+    SYSTEM,
+    assert_pool_clean,
+    greedy,
+    hf_greedy,
+    hf_model,
+    make_llm,
+    tokens,
+)
+
+from pagedlearn import BeamSearchParams, SamplingParams
+from pagedlearn.engine import RequestRejectedError
+from pagedlearn.errors import PagedLearnError
+
+MODELS = ["tiny-gpt2", "tiny-opt"]
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_greedy_matches_transformers_generate(name):
+    llm = make_llm(name)
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=16), use_tqdm=False)
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        want = hf_greedy(name, prompt, 16)
+        assert out.outputs[0].token_ids == want
+        assert out.outputs[0].finish_reason == ("stop" if want[-1] == 256 else "length")
+    assert_pool_clean(llm)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_logits_match_transformers_at_every_step(name):
+    """Capture the engine's logits per request and step; compare with one full HF forward."""
+    llm = make_llm(name)
+    engine = llm.engine
+    seen: dict[str, list[torch.Tensor]] = {}
+    execute, process = engine.runner.execute, engine._process
+    last = {}
+
+    def capture_execute(seqs):
+        last["logits"] = execute(seqs)
+        return last["logits"]
+
+    def capture_process(sched, logprobs, now):
+        for row, s in enumerate(sched.scheduled):
+            seen.setdefault(s.request.request_id, []).append(last["logits"][row])
+        return process(sched, logprobs, now)
+
+    engine.runner.execute, engine._process = capture_execute, capture_process
+    outs = llm.generate(PROMPTS, greedy(10), use_tqdm=False)
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        full = prompt + out.outputs[0].token_ids
+        with torch.no_grad():
+            ref = hf_model(name)(torch.tensor([full])).logits[0].float()
+        ours = torch.stack(seen[out.request_id])  # (steps, vocab)
+        expected = ref[len(prompt) - 1 : len(full) - 1]
+        assert ours.shape == expected.shape
+        torch.testing.assert_close(ours, expected, atol=1e-4, rtol=0)
+
+
+def _run(prompts=PROMPTS, params=None, **kw):
+    llm = make_llm(**kw)
+    outs = llm.generate(prompts, params or greedy(20), use_tqdm=False)
+    assert_pool_clean(llm)
+    return llm, tokens(outs)
+
+
+@pytest.fixture(scope="module")
+def baseline():
+    return _run()[1]
+
+
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+def test_block_size_does_not_change_outputs(baseline, block_size):
+    assert _run(block_size=block_size, num_blocks=2048 // block_size)[1] == baseline
+
+
+def test_prefix_caching_hits_and_changes_nothing():
+    prompts = [SYSTEM + list(b"What is a block?"), SYSTEM + list(b"Why page the KV cache?")]
+    outs = {}
+    for caching in (False, True):
+        llm = make_llm(enable_prefix_caching=caching)
+        first = llm.generate(prompts[:1], greedy(), use_tqdm=False)  # fills the cache
+        second = llm.generate(prompts[1:], greedy(), use_tqdm=False)
+        outs[caching] = tokens(first + second)
+        assert second[0].num_cached_tokens == (44 if caching else 0)  # 11 full blocks of 4
+        assert_pool_clean(llm)
+    assert outs[True] == outs[False]
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_keeps_outputs_identical(baseline, mode):
+    stats = []
+    llm = make_llm(num_blocks=20, preemption_mode=mode)
+    llm.engine.subscribe_stats(stats.append)
+    outs = llm.generate(PROMPTS, greedy(20), use_tqdm=False)
+    assert tokens(outs) == baseline
+    last = stats[-1]
+    assert (last.preemptions_recompute if mode == "recompute" else last.preemptions_swap) > 0
+    if mode == "swap":
+        assert last.swap_out_blocks > 0 and last.swap_in_blocks == last.swap_out_blocks
+    assert all(s.used_blocks <= 20 for s in stats)
+    assert_pool_clean(llm)
+
+
+def test_triton_interpreter_backend_matches_torch():
+    pytest.importorskip("triton")
+    prompts, params = PROMPTS[:2], greedy(4)
+    want = _run(prompts, params, attention_backend="torch")[1]
+    assert _run(prompts, params, attention_backend="triton")[1] == want
+
+
+def test_parallel_sampling_is_reproducible_and_shares_the_prompt():
+    prompt = list(b"Once upon a time, in a land far away")  # 36 tokens: 9 blocks of 4
+    params = SamplingParams(n=4, max_tokens=6, temperature=1.0, seed=7, ignore_eos=True)
+
+    def peak_blocks(requests):
+        llm = make_llm(enable_prefix_caching=False)
+        peak = []
+        llm.engine.subscribe_stats(lambda s: peak.append(s.used_blocks))
+        outs = llm.generate(*requests, use_tqdm=False)
+        assert_pool_clean(llm)
+        return tokens(outs), max(peak)
+
+    shared, shared_peak = peak_blocks(([prompt], params))
+    again, _ = peak_blocks(([prompt], params))
+    assert shared == again and len(shared[0]) == 4
+    assert len({tuple(t) for t in shared[0]}) > 1  # four samples, not four copies of one
+    single = SamplingParams(max_tokens=6, temperature=1.0, seed=7, ignore_eos=True)
+    _, separate_peak = peak_blocks(([prompt] * 4, single))
+    assert shared_peak < separate_peak
+
+
+def test_beam_width_one_is_greedy(baseline):
+    llm = make_llm()
+    outs = llm.beam_search(
+        PROMPTS, BeamSearchParams(beam_width=1, max_tokens=20, ignore_eos=True), use_tqdm=False
+    )
+    assert [[o.outputs[0].token_ids] for o in outs] == baseline
+    assert_pool_clean(llm)
+
+
+def test_beam_search_returns_sorted_beams_and_keeps_invariants():
+    llm = make_llm(num_blocks=48)
+    engine = llm.engine
+    params = BeamSearchParams(beam_width=3, max_tokens=8, length_penalty=1.0)
+    engine.add_request("b", PROMPTS[1], params)
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+        engine.kv.check_invariants()
+    (out,) = outs
+    assert out.finished and len(out.outputs) == 3
+    scores = [params.score(o.cumulative_logprob, len(o.token_ids)) for o in out.outputs]
+    assert scores == sorted(scores, reverse=True)
+    assert len({tuple(o.token_ids) for o in out.outputs}) == 3
+    assert_pool_clean(llm)
+
+
+def test_abort_frees_blocks_at_once():
+    llm = make_llm()
+    engine = llm.engine
+    engine.add_request("keep", PROMPTS[0], greedy(8))
+    engine.add_request("stop", PROMPTS[1], greedy(50))
+    for _ in range(3):
+        engine.step()
+    before = engine.kv.stats()["used_blocks"]
+    out = engine.abort_request("stop")
+    assert out.finished and out.outputs[0].finish_reason == "abort"
+    assert engine.kv.stats()["used_blocks"] < before
+    assert not any(s.startswith("stop.") for s in engine.kv.sequences())
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.abort_request("stop") is None
+    assert_pool_clean(llm)
+
+
+def test_a_request_that_cannot_fit_fails_alone():
+    llm = make_llm(num_blocks=8)  # 32 tokens
+    outs = llm.generate([PROMPTS[0], list(range(40)), PROMPTS[2]], greedy(4), use_tqdm=False)
+    assert outs[1].error and "pool" in outs[1].error and outs[1].outputs[0].token_ids == []
+    assert len(outs[0].outputs[0].token_ids) == 4 and len(outs[2].outputs[0].token_ids) == 4
+    with pytest.raises(RequestRejectedError, match="512 positions"):
+        make_llm(num_blocks=512).engine.add_request("x", [1] * 513, greedy())
+    assert_pool_clean(llm)
+
+
+def test_a_request_that_outgrows_the_pool_fails_with_a_reason():
+    llm = make_llm(num_blocks=4)  # 16 tokens; the prompt fits, its output cannot
+    (out,) = llm.generate([PROMPTS[0]], greedy(30), use_tqdm=False)
+    assert out.error and "pool" in out.error
+    assert_pool_clean(llm)
+
+
+def test_bad_arguments_are_refused_clearly():
+    with pytest.raises(PagedLearnError, match="temperature"):
+        SamplingParams(temperature=-1)
+    with pytest.raises(PagedLearnError, match="top_p"):
+        SamplingParams(top_p=0)
+    with pytest.raises(PagedLearnError, match="preemption_mode"):
+        make_llm(preemption_mode="drop")
+    with pytest.raises(PagedLearnError, match="not both"):
+        make_llm(kv_cache_memory=2**20)
+    engine = make_llm().engine
+    with pytest.raises(RequestRejectedError, match="empty"):
+        engine.add_request("e", [], greedy())
+    with pytest.raises(RequestRejectedError, match="vocabulary"):
+        engine.add_request("v", [999], greedy())
+    engine.add_request("a", [1, 2], greedy())
+    with pytest.raises(RequestRejectedError, match="already in use"):
+        engine.add_request("a", [1, 2], greedy())

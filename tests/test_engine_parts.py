@@ -1,0 +1,100 @@
+"""The engine's parts one by one: KV tensors, sizing, the HF attention plug-in, the sampler."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from engine_cases import PROMPTS, assert_pool_clean, greedy, make_llm
+
+from pagedlearn import SamplingParams
+from pagedlearn.engine.sampler import Sampler
+from pagedlearn.errors import PagedLearnError
+from pagedlearn.kv_cache import KVCache, KVCacheSpec
+from pagedlearn.models import load
+from pagedlearn.models.runner import kv_cache_spec, max_model_len
+
+
+def test_bytes_per_token_is_the_papers_formula():
+    # GPT-2 small in fp16: 4 * L * H * D = 4 * 12 * 768 = 36,864 bytes per token.
+    spec = KVCacheSpec(num_layers=12, num_kv_heads=12, head_dim=64, dtype=torch.float16)
+    assert spec.bytes_per_token == 4 * 12 * 768 == 36_864
+    assert "36,864 B per token" in spec.formula()
+    assert spec.num_blocks_for(36_864 * 16 * 10 + 5, block_size=16) == 10
+
+
+def test_kv_spec_and_length_come_from_the_config():
+    gpt2, opt = load("tiny-gpt2").model, load("tiny-opt").model
+    assert kv_cache_spec(gpt2) == KVCacheSpec(2, 4, 16, torch.float32)
+    assert kv_cache_spec(opt) == KVCacheSpec(2, 4, 16, torch.float32)
+    assert max_model_len(gpt2) == max_model_len(opt) == 512
+
+
+def test_kv_cache_copies_and_swaps_every_layer():
+    spec = KVCacheSpec(num_layers=3, num_kv_heads=2, head_dim=4, dtype=torch.float32)
+    cache = KVCache(spec, num_blocks=4, block_size=2, num_cpu_blocks=2)
+    cache.slab[:, :, 1] = torch.arange(2 * 3 * 2 * 2 * 4, dtype=torch.float32).view(2, 3, 2, 2, 4)
+    block1 = cache.slab[:, :, 1].clone()
+    cache.copy_blocks([(1, 3)])
+    assert torch.equal(cache.slab[:, :, 3], block1)
+    cache.swap_out([(1, 0)])
+    cache.slab[:, :, 1] = 0
+    cache.swap_in([(0, 2)])
+    assert torch.equal(cache.slab[:, :, 2], block1) and not cache.slab[:, :, 1].any()
+    with pytest.raises(PagedLearnError, match="no CPU swap pool"):
+        KVCache(spec, 4, 2).swap_out([(0, 0)])
+
+
+def test_kv_cache_memory_sizes_the_pool():
+    llm = make_llm(num_blocks=None, kv_cache_memory=1024 * 4 * 100 + 7)  # 1,024 B per token
+    assert llm.engine.kv.allocator.num_blocks == 100
+    with pytest.raises(PagedLearnError, match="num_blocks"):
+        make_llm(num_blocks=None, kv_cache_memory=100)
+
+
+def test_attention_without_metadata_says_how_to_run_it():
+    llm = make_llm()
+    with pytest.raises(PagedLearnError, match="paged_metadata"):
+        llm.engine.model(torch.tensor([[1, 2, 3]]))
+
+
+def test_auto_backend_is_the_reference_on_a_cpu():
+    assert make_llm(device="cpu").attention_backend == "torch"
+
+
+def test_sampler_top_k_top_p_and_seed():
+    logprobs = torch.log_softmax(torch.tensor([3.0, 2.0, 1.0, 0.0, -1.0]), dim=-1)
+    s = Sampler()
+    gen = torch.Generator().manual_seed(0)
+    top1 = SamplingParams(temperature=1.0, top_k=1)
+    assert {t for t, _ in s.sample(logprobs, top1, 50, gen)} == {0}
+    top_p = SamplingParams(temperature=1.0, top_p=0.7)  # p(0) = 0.64 < 0.7: tokens 0 and 1
+    assert {t for t, _ in s.sample(logprobs, top_p, 200, gen)} == {0, 1}
+    a = s.sample(logprobs, SamplingParams(temperature=1.0), 20, torch.Generator().manual_seed(3))
+    b = s.sample(logprobs, SamplingParams(temperature=1.0), 20, torch.Generator().manual_seed(3))
+    assert a == b
+    ((tok, lp),) = s.sample(logprobs, SamplingParams(), 1)
+    assert tok == 0 and lp == pytest.approx(float(logprobs[0]))
+
+
+def test_outputs_carry_metrics_text_and_logprobs():
+    llm = make_llm()
+    out = llm.generate("Hi there", greedy(5), use_tqdm=False)[0]
+    c = out.outputs[0]
+    assert out.prompt == "Hi there" and out.prompt_token_ids == list(b"Hi there")
+    assert len(c.token_ids) == 5 and c.cumulative_logprob < 0
+    assert c.text == llm.tokenizer.decode(c.token_ids, skip_special_tokens=True)
+    m = out.metrics
+    assert 0 < m.ttft <= m.e2e and m.mean_itl > 0 and len(m.token_times) == 5
+    assert_pool_clean(llm)
+
+
+def test_stats_after_each_step_add_up():
+    llm = make_llm(num_blocks=20)
+    seen = []
+    llm.engine.subscribe_stats(seen.append)
+    llm.generate(PROMPTS, greedy(10), use_tqdm=False)
+    for s in seen:
+        assert s.used_blocks + s.free_blocks == s.num_blocks == 20
+        assert s.bookkeeping_time >= 0 and s.forward_time <= s.step_time
+        assert s.num_prefill_seqs + s.num_decode_seqs <= s.num_batched_tokens
+    assert seen[-1].num_finished == 4 and [s.step for s in seen] == list(range(1, len(seen) + 1))
