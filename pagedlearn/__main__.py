@@ -1,4 +1,4 @@
-"""Command line: ``python -m pagedlearn {demo, check-env, paper}`` (also ``pagedlearn ...``)."""
+"""Command line: ``python -m pagedlearn {demo, blocks, check-env, paper}`` (or ``pagedlearn``)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,34 @@ import sys
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pagedlearn", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="watch the KV-cache memory manager serve a few sequences")
-    demo.add_argument("--num-blocks", type=int, default=16, help="physical blocks in the pool")
-    demo.add_argument("--block-size", type=int, default=4, help="tokens per block")
+    demo = sub.add_parser(
+        "demo", help="a model serving a mixed batch from a small paged KV cache (the main job)"
+    )
+    demo.add_argument(
+        "--model",
+        default="auto",
+        help="gpt2, facebook/opt-125m, tiny-gpt2, tiny-opt, a path, or auto "
+        "(gpt2 if cached, else tiny-gpt2)",
+    )
+    demo.add_argument("--block-size", type=int, default=16, help="tokens per block")
+    demo.add_argument(
+        "--num-blocks",
+        type=int,
+        default=None,
+        help="blocks in the pool (default: about half of what the batch needs)",
+    )
+    demo.add_argument("--preemption-mode", choices=("recompute", "swap"), default="recompute")
+    demo.add_argument(
+        "--backend",
+        choices=("auto", "torch", "triton"),
+        default="auto",
+        help="attention: auto = Triton on a GPU, the PyTorch reference on a CPU",
+    )
     demo.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
+    blocks = sub.add_parser("blocks", help="the memory manager alone, with made-up tokens")
+    blocks.add_argument("--num-blocks", type=int, default=16, help="physical blocks in the pool")
+    blocks.add_argument("--block-size", type=int, default=4, help="tokens per block")
+    blocks.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
     env = sub.add_parser("check-env", help="print [OK]/[FAIL] per dependency, GPU and Triton")
     env.add_argument("--no-dev", action="store_true", help="skip the dev tools")
     paper = sub.add_parser("paper", help="recompute the paper's memory figures beside its numbers")
@@ -26,14 +50,27 @@ def main(argv: list[str] | None = None) -> int:
         report(quick=args.quick, figures_dir=args.figures or None)
         return 0
 
-    if args.command == "demo":
-        from pagedlearn.demo import run_demo
+    if args.command in ("demo", "blocks"):
         from pagedlearn.errors import PagedLearnError
 
         try:
-            run_demo(args.num_blocks, args.block_size, not args.no_prefix_caching)
+            if args.command == "blocks":
+                from pagedlearn.block_demo import run_demo
+
+                run_demo(args.num_blocks, args.block_size, not args.no_prefix_caching)
+            else:
+                from pagedlearn.demo import run_demo
+
+                run_demo(
+                    args.model,
+                    args.block_size,
+                    args.num_blocks,
+                    args.preemption_mode,
+                    args.backend,
+                    not args.no_prefix_caching,
+                )
         except PagedLearnError as e:
-            print(f"demo stopped: {e}", file=sys.stderr)
+            print(f"{args.command} stopped: {e}", file=sys.stderr)
             return 1
         return 0
     from pagedlearn.check_env import check_env

@@ -1,97 +1,170 @@
-"""``make demo`` / ``python -m pagedlearn demo``: the memory manager at work, in text.
+"""``make demo`` / ``python -m pagedlearn demo``: a real model served from a small paged KV cache.
 
-A small pool serves a few sequences the way an engine would: two requests share a system prompt
-(prefix-cache hit), one request samples two continuations (fork, then copy-on-write), all of them
-grow token by token, some finish (their blocks go back, cached ones stay findable), and a late
-request reuses the cached prefix. After each phase it prints every block table and a map of the
-physical pool. No model runs yet: token ids are made up. (The engine issue replaces this with a
-real GPT-2 / OPT run.)
+A mixed batch arrives at once: two chats sharing a system prompt (the second hits the prefix
+cache), a short and a long prompt, one request sampling ``n=3`` continuations (forked blocks,
+copy-on-write), one beam search (forked beams; losers free their blocks), and one long request
+that is cancelled mid-way (its blocks return at once). The pool is sized so that not everything
+fits, so requests are preempted and come back (recompute or swap). The demo prints what happens
+step by step, the outputs, the final statistics, and a map of the physical blocks at the step
+with the most sharing. All requests use ``ignore_eos`` so that their lengths, and so the memory
+pressure, are the same on every machine.
+
+Without a network or a cached GPT-2, ``--model auto`` uses the offline ``tiny-gpt2`` (random
+weights: the text is gibberish, the memory behaviour is real).
 """
 
 from __future__ import annotations
 
-from collections import Counter
+import string
 
+from pagedlearn import BeamSearchParams, SamplingParams
+from pagedlearn.errors import PagedLearnError
 from pagedlearn.kv_cache_manager import KVCacheManager
 
-SYSTEM_PROMPT = list(range(100, 108))  # 8 made-up token ids every request starts with
+SYSTEM = "You are a concise assistant. Answer in one sentence. "
+LONG = (
+    "PagedAttention stores the KV cache in fixed-size blocks, like pages of virtual memory, "
+    "so that memory is allocated on demand and shared between sequences. "
+) * 2
 
 
-def format_pool(kv: KVCacheManager) -> str:
-    """One cell per physical block: owner(s), refcount when shared, ``c`` for cached-free."""
+def requests():
+    """(request id, prompt, params) of the mixed batch; "cancel" is aborted mid-way."""
+    sample = dict(ignore_eos=True)
+    return [
+        ("chat-1", SYSTEM + "What is a KV cache?", SamplingParams(max_tokens=24, **sample)),
+        ("chat-2", SYSTEM + "Why use blocks?", SamplingParams(max_tokens=24, **sample)),
+        ("short", "Hello!", SamplingParams(max_tokens=8, **sample)),
+        ("cancel", "Tell me a long story.", SamplingParams(max_tokens=200, **sample)),
+        ("long", LONG, SamplingParams(max_tokens=48, **sample)),
+        (
+            "n=3",
+            "Once upon a time",
+            SamplingParams(n=3, max_tokens=32, temperature=0.8, top_p=0.95, seed=0, **sample),
+        ),
+        (
+            "beam",
+            "The capital of France is",
+            BeamSearchParams(beam_width=3, max_tokens=16, ignore_eos=True),
+        ),
+    ]
+
+
+def format_pool(kv: KVCacheManager, labels: dict[str, str], per_row: int = 6) -> str:
+    """One cell per physical block: its owners (``x2``: refcount when shared), ``c`` for
+    cached-free (holds a findable prefix), ``.`` for empty."""
     a = kv.allocator
     owners: dict[int, list[str]] = {}
     for seq_id in kv.sequences():
         for b in kv.block_table(seq_id):
-            owners.setdefault(b, []).append(str(seq_id))
+            owners.setdefault(b, []).append(labels.get(seq_id, str(seq_id)))
     cells = []
     for b in range(a.num_blocks):
         if b in owners:
             cell = "+".join(owners[b]) + (f" x{a.refcount(b)}" if a.refcount(b) > 1 else "")
         else:
-            cell = "c (cached)" if a.is_cached(b) else "."
-        cells.append(f"{b:>3}: {cell:<14}")
-    rows = [" ".join(cells[i : i + 4]).rstrip() for i in range(0, len(cells), 4)]
-    return "\n".join(rows)
+            cell = "c" if a.is_cached(b) else "."
+        cells.append(f"{b:>3}: {cell:<9}")
+    return "\n".join(
+        " ".join(cells[i : i + per_row]).rstrip() for i in range(0, len(cells), per_row)
+    )
 
 
-def show(kv: KVCacheManager, title: str) -> None:
-    print(f"\n== {title}")
-    for seq_id in kv.sequences():
-        toks = kv.token_ids(seq_id)
-        print(f"  {seq_id!s:<4} {len(toks):>3} tokens  block table {kv.block_table(seq_id)}")
-    print(format_pool(kv))
-    s = kv.stats()
+def default_num_blocks(tokenizer, reqs, block_size: int) -> int:
+    """Room for the largest request alone (all its samples or beams), but about half of what
+    all of them need together, so that some requests must be preempted."""
+    need = []
+    for _, prompt, p in reqs:
+        n_tokens = len(tokenizer.encode(prompt)) + min(p.max_tokens, 64)
+        need.append(p.n * -(-n_tokens // block_size))
+    return max(max(need) + 2, sum(need) // 2)
+
+
+def run_demo(
+    model="auto",
+    block_size=16,
+    num_blocks=None,
+    preemption_mode="recompute",
+    attention_backend="auto",
+    prefix_caching=True,
+) -> None:
+    from pagedlearn import LLM
+    from pagedlearn.models import load
+
+    if not isinstance(block_size, int) or block_size < 1:
+        raise PagedLearnError(f"block_size must be a positive int, got {block_size!r}")
+    reqs = requests()
+    loaded = load(model)
+    if num_blocks is None:  # size the pool from the prompts as this model tokenizes them
+        num_blocks = default_num_blocks(loaded.tokenizer, reqs, block_size)
+    llm = LLM(
+        loaded,
+        block_size=block_size,
+        num_blocks=num_blocks,
+        preemption_mode=preemption_mode,
+        attention_backend=attention_backend,
+        enable_prefix_caching=prefix_caching,
+    )
+    engine = llm.engine
+    labels = {}  # "n=3.1" -> "E1": short names for the pool map
+    for letter, (rid, prompt, params) in zip(string.ascii_uppercase, reqs, strict=False):
+        engine.add_request(rid, prompt, params)
+        for i in range(16):
+            labels[f"{rid}.{i}"] = f"{letter}{i}" if params.n > 1 else letter
     print(
-        f"  used {s['used_blocks']}, free {s['free_blocks']} (cached {s['cached_blocks']}), "
-        f"shared {s['shared_blocks']}, CoW copies {s['cow_copies']}, prefix hits "
-        f"{s['prefix_hit_tokens']}/{s['prefix_query_tokens']} tokens, "
-        f"evictions {s['evictions']}"
-    )
-    kv.check_invariants()
-
-
-def run_demo(num_blocks: int = 16, block_size: int = 4, prefix_caching: bool = True) -> None:
-    kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix_caching)
-    log = kv.record()
-    print(
-        f"pool: {num_blocks} blocks x {block_size} tokens, prefix caching "
-        f"{'on' if prefix_caching else 'off'}"
+        "requests: "
+        + ", ".join(
+            f"{letter}={rid}"
+            for letter, (rid, _, _) in zip(string.ascii_uppercase, reqs, strict=False)
+        )
     )
 
-    reused = kv.add_sequence("A", [*SYSTEM_PROMPT, 1, 2, 3])
-    print(f"A: prompt of {len(SYSTEM_PROMPT) + 3} tokens, {reused} reused")
-    reused = kv.add_sequence("B", [*SYSTEM_PROMPT, 7, 7])
-    print(f"B: same system prompt, {reused} tokens reused from A's blocks")
-    show(kv, "two prompts admitted")
+    events = []
+    engine.kv.trace.subscribe(lambda e: e.kind == "preempt" and events.append(e))
+    finished, busiest = {}, ((-1, -1), "", "")
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        st = engine.last_stats
+        notes = [f"preempted {e.seqs[0].rsplit('.', 1)[0]} ({e.info['mode']})" for e in events]
+        events.clear()
+        for out in outputs:
+            if out.finished:
+                finished[out.request_id] = out
+                notes.append(f"{out.request_id} finished" + (" (failed)" if out.error else ""))
+            elif out.request_id == "cancel" and len(out.outputs[0].token_ids) >= 8:
+                aborted = finished["cancel"] = engine.abort_request("cancel")  # like a user
+                notes.append(
+                    f"cancel aborted after {len(aborted.outputs[0].token_ids)} tokens, "
+                    "its blocks freed"
+                )
+        # The map worth showing: the most sharing (forks, cache hits), then the fullest pool.
+        score = (engine.kv.allocator.num_shared_blocks, st.used_blocks)
+        if score > busiest[0]:
+            where = f"step {st.step}: {st.used_blocks} blocks used, {score[0]} shared"
+            busiest = (score, where, format_pool(engine.kv, labels))
+        print(
+            f"step {st.step:>3}: {st.num_batched_tokens:>4} tokens | running {st.num_running} "
+            f"waiting {st.num_waiting} swapped {st.num_swapped} | blocks used "
+            f"{st.used_blocks:>3}/{st.num_blocks} cached {st.cached_blocks:>3}"
+            + (" | " + "; ".join(notes) if notes else "")
+        )
 
-    kv.fork("A", "A2")  # parallel sampling: a second continuation of A's prompt
-    for step in range(6):
-        for seq_id in kv.sequences():
-            kv.append_token(seq_id, 200 + step + (50 if seq_id == "A2" else 0))
-        for src, dst in kv.pop_copies():
-            print(f"  step {step}: copy-on-write, copy block {src} -> block {dst}")
-    show(kv, "A forked into A2, six decode steps")
-
-    kv.free_sequence("A")
-    kv.free_sequence("B")
-    show(kv, "A and B finished (their full blocks stay cached)")
-
-    reused = kv.add_sequence("C", [*SYSTEM_PROMPT, 9, 9, 9, 9, 9])
-    print(f"C: arrives later with the system prompt, {reused} tokens reused from the cache")
-    for step in range(28):
-        kv.append_token("C", 300 + step)
-    show(
-        kv,
-        "C decoded 28 tokens: the empty blocks ran out, so least recently used cached "
-        "blocks were evicted",
-    )
-
-    for seq_id in kv.sequences():
-        kv.free_sequence(seq_id)
-    show(kv, "everything finished")
-    counts = Counter(e.kind for e in log.events)
-    print(
-        f"\n{len(log)} block events recorded: "
-        + ", ".join(f"{k} {n}" for k, n in sorted(counts.items()))
-    )
+    print("\n== outputs")
+    for rid, _, _ in reqs:
+        out = finished[rid]
+        for c in out.outputs:
+            tag = f"{rid}[{c.index}]" if len(out.outputs) > 1 else rid
+            print(
+                f"  {tag:<8} {c.finish_reason:<6} {len(c.token_ids):>3} tokens, logprob "
+                f"{c.cumulative_logprob:8.2f}: {c.text[:48]!r}"
+            )
+        if out.num_cached_tokens:
+            print(f"  {'':<8} (prefix cache: {out.num_cached_tokens} prompt tokens reused)")
+    print(f"\n== the pool when the most blocks were shared ({busiest[1]})")
+    print(busiest[2])
+    print("  (A+B x2: a block shared by A and B, refcount 2; c: free but cached; .: empty)")
+    print("\n== final statistics")
+    print(engine.stats().summary())
+    print("\n== the pool at the end")
+    print(format_pool(engine.kv, labels))
+    engine.kv.check_invariants()

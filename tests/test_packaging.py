@@ -89,12 +89,37 @@ def test_check_env_fails_loudly_when_a_required_package_is_missing(monkeypatch, 
 
 
 @pytest.fixture(scope="module")
+def blocks_demo() -> subprocess.CompletedProcess:
+    return run("-m", "pagedlearn", "blocks")
+
+
+@pytest.fixture(scope="module")
 def demo() -> subprocess.CompletedProcess:
-    return run("-m", "pagedlearn", "demo")
+    return run("-m", "pagedlearn", "demo", "--model", "tiny-gpt2")
 
 
-def test_demo_runs_and_shows_sharing_copying_and_eviction(demo):
-    out = demo
+def test_demo_serves_the_mixed_batch_with_preemption_and_abort(demo):
+    assert demo.returncode == 0, demo.stderr
+    out = demo.stdout
+    assert "B per token" in out and "tokens (" in out  # the KV sizing line
+    assert "preempted" in out and "cancel aborted after" in out
+    for rid in ("chat-1", "chat-2", "short", "long", "n=3[2]", "beam[2]"):
+        assert re.search(rf"^  {re.escape(rid)} +length ", out, re.M), rid
+    assert re.search(r"^  cancel +abort ", out, re.M)
+    assert "prompt tokens reused" in out  # chat-2 hit chat-1's system prompt
+    assert re.search(r"\d+: [A-Z]\d?(\+[A-Z]\d?)+ x\d", out)  # a shared block in the map
+    assert re.search(r"blocks: used 0/\d+", out)  # everything came back
+    assert "finished 7, failed 0" in out
+
+
+def test_demo_help_lists_the_options():
+    out = run("-m", "pagedlearn", "demo", "--help")
+    for option in ("--model", "--block-size", "--num-blocks", "--preemption-mode", "--backend"):
+        assert option in out.stdout
+
+
+def test_blocks_demo_runs_and_shows_sharing_copying_and_eviction(blocks_demo):
+    out = blocks_demo
     assert out.returncode == 0, out.stderr
     for phrase in (
         "tokens reused from A's blocks",
@@ -107,9 +132,11 @@ def test_demo_runs_and_shows_sharing_copying_and_eviction(demo):
 
 
 def test_cli_rejects_bad_options_with_a_clear_message():
-    out = run("-m", "pagedlearn", "demo", "--block-size", "0")
+    out = run("-m", "pagedlearn", "blocks", "--block-size", "0")
     assert out.returncode == 1 and "block_size must be a positive int" in out.stderr
-    out = run("-m", "pagedlearn", "demo", "--num-blocks", "4")
+    out = run("-m", "pagedlearn", "demo", "--model", "tiny-gpt2", "--block-size", "0")
+    assert out.returncode == 1 and "block_size must be a positive int" in out.stderr
+    out = run("-m", "pagedlearn", "blocks", "--num-blocks", "4")
     assert out.returncode == 1 and "need" in out.stderr and "free of 4" in out.stderr
     assert run("-m", "pagedlearn", "nonsense").returncode == 2
 
@@ -142,7 +169,7 @@ def test_block_manager_benchmark_runs():
 
 def test_readme_demo_excerpt_is_what_the_demo_prints(demo):
     readme = (ROOT / "README.md").read_text()
-    excerpt = readme.split("`make demo` prints", 1)[1].split("```", 2)[1]
+    excerpt = readme.split("Offline it runs `tiny-gpt2`", 1)[1].split("```", 2)[1]
     lines = [ln for ln in excerpt.splitlines() if ln.strip()]
     out = demo.stdout.splitlines()
     assert len(lines) >= 5

@@ -1,0 +1,97 @@
+"""``python -m pagedlearn blocks``: the memory manager at work, in text, with no model.
+
+A small pool serves a few sequences the way an engine would: two requests share a system prompt
+(prefix-cache hit), one request samples two continuations (fork, then copy-on-write), all of them
+grow token by token, some finish (their blocks go back, cached ones stay findable), and a late
+request reuses the cached prefix. After each phase it prints every block table and a map of the
+physical pool. No model runs: token ids are made up, so every step is the manager alone.
+(``python -m pagedlearn demo`` runs the same machinery under a real model.)
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from pagedlearn.kv_cache_manager import KVCacheManager
+
+SYSTEM_PROMPT = list(range(100, 108))  # 8 made-up token ids every request starts with
+
+
+def format_pool(kv: KVCacheManager) -> str:
+    """One cell per physical block: owner(s), refcount when shared, ``c`` for cached-free."""
+    a = kv.allocator
+    owners: dict[int, list[str]] = {}
+    for seq_id in kv.sequences():
+        for b in kv.block_table(seq_id):
+            owners.setdefault(b, []).append(str(seq_id))
+    cells = []
+    for b in range(a.num_blocks):
+        if b in owners:
+            cell = "+".join(owners[b]) + (f" x{a.refcount(b)}" if a.refcount(b) > 1 else "")
+        else:
+            cell = "c (cached)" if a.is_cached(b) else "."
+        cells.append(f"{b:>3}: {cell:<14}")
+    rows = [" ".join(cells[i : i + 4]).rstrip() for i in range(0, len(cells), 4)]
+    return "\n".join(rows)
+
+
+def show(kv: KVCacheManager, title: str) -> None:
+    print(f"\n== {title}")
+    for seq_id in kv.sequences():
+        toks = kv.token_ids(seq_id)
+        print(f"  {seq_id!s:<4} {len(toks):>3} tokens  block table {kv.block_table(seq_id)}")
+    print(format_pool(kv))
+    s = kv.stats()
+    print(
+        f"  used {s['used_blocks']}, free {s['free_blocks']} (cached {s['cached_blocks']}), "
+        f"shared {s['shared_blocks']}, CoW copies {s['cow_copies']}, prefix hits "
+        f"{s['prefix_hit_tokens']}/{s['prefix_query_tokens']} tokens, "
+        f"evictions {s['evictions']}"
+    )
+    kv.check_invariants()
+
+
+def run_demo(num_blocks: int = 16, block_size: int = 4, prefix_caching: bool = True) -> None:
+    kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix_caching)
+    log = kv.record()
+    print(
+        f"pool: {num_blocks} blocks x {block_size} tokens, prefix caching "
+        f"{'on' if prefix_caching else 'off'}"
+    )
+
+    reused = kv.add_sequence("A", [*SYSTEM_PROMPT, 1, 2, 3])
+    print(f"A: prompt of {len(SYSTEM_PROMPT) + 3} tokens, {reused} reused")
+    reused = kv.add_sequence("B", [*SYSTEM_PROMPT, 7, 7])
+    print(f"B: same system prompt, {reused} tokens reused from A's blocks")
+    show(kv, "two prompts admitted")
+
+    kv.fork("A", "A2")  # parallel sampling: a second continuation of A's prompt
+    for step in range(6):
+        for seq_id in kv.sequences():
+            kv.append_token(seq_id, 200 + step + (50 if seq_id == "A2" else 0))
+        for src, dst in kv.pop_copies():
+            print(f"  step {step}: copy-on-write, copy block {src} -> block {dst}")
+    show(kv, "A forked into A2, six decode steps")
+
+    kv.free_sequence("A")
+    kv.free_sequence("B")
+    show(kv, "A and B finished (their full blocks stay cached)")
+
+    reused = kv.add_sequence("C", [*SYSTEM_PROMPT, 9, 9, 9, 9, 9])
+    print(f"C: arrives later with the system prompt, {reused} tokens reused from the cache")
+    for step in range(28):
+        kv.append_token("C", 300 + step)
+    show(
+        kv,
+        "C decoded 28 tokens: the empty blocks ran out, so least recently used cached "
+        "blocks were evicted",
+    )
+
+    for seq_id in kv.sequences():
+        kv.free_sequence(seq_id)
+    show(kv, "everything finished")
+    counts = Counter(e.kind for e in log.events)
+    print(
+        f"\n{len(log)} block events recorded: "
+        + ", ".join(f"{k} {n}" for k, n in sorted(counts.items()))
+    )
