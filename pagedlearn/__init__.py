@@ -2,7 +2,8 @@
 
 Read in this order: ``block_allocator`` (physical blocks, refcounts, free queue), ``block_table``
 (logical -> physical, slots), ``prefix_cache`` (hash chain over full blocks), ``kv_cache_manager``
-(all of it together: add / append / fork with copy-on-write / free), ``trace`` (every block event).
+(all of it together: add / append / fork with copy-on-write / free), ``swap`` (preemption by swap:
+a request's blocks to a CPU pool and back), ``trace`` (every block event).
 
 Then ``engine`` (``LLM``, ``SamplingParams``: a model generating from the paged cache) and
 ``models`` (plugging the cache into Hugging Face GPT-2 / OPT).

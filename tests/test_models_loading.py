@@ -31,7 +31,7 @@ from pagedlearn.models import (
     load,
     tiny_config,
 )
-from pagedlearn.models import loader as loader_module
+from pagedlearn.models import hub as hub_module
 
 PROXY_VARS = ("http_proxy", "https_proxy", "all_proxy", "HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY")
 
@@ -289,7 +289,7 @@ def test_a_hub_that_never_answers_cannot_hang_the_load(empty_hub, monkeypatch):
         raise OSError("released by the test")
 
     monkeypatch.setattr(socket, "create_connection", stalled_connect)
-    monkeypatch.setattr(loader_module, "PROBE_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(hub_module, "PROBE_TIMEOUT_S", 0.3)
     start = time.perf_counter()
     try:
         with pytest.raises(ModelLoadError, match=r"no answer from 127\.0\.0\.1:\d+ within 0.3 s"):
@@ -305,7 +305,7 @@ def test_offline_mode_fails_at_once_without_asking_the_hub(empty_hub, monkeypatc
         monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     else:
         monkeypatch.setenv(how.split()[1], "1")
-    monkeypatch.setattr(loader_module, "_probe_hub", lambda: pytest.fail("asked the hub"))
+    monkeypatch.setattr(hub_module, "_probe_hub", lambda: pytest.fail("asked the hub"))
     start = time.perf_counter()
     with pytest.raises(ModelLoadError, match="offline mode is on") as info:
         load("gpt2")

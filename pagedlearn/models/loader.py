@@ -11,8 +11,8 @@
   ``tiny-gpt2`` with a one-line notice (and ``offline_stand_in=True``). It never downloads.
 - a local folder written by ``save_pretrained()``.
 - a hub name (``"gpt2"``, ``"facebook/opt-125m"``): from the local cache if it is there, else
-  downloaded. Without a network this fails within seconds instead of hanging (``_probe_hub``),
-  and the message points to the offline models.
+  downloaded. Without a network this fails within seconds instead of hanging (hub.py asks the
+  hub first), and the message points to the offline models.
 
 Only decoder-only causal LMs are accepted: PagedAttention caches the K/V of the past tokens of a
 model that generates one token at a time, as GPT-2 and OPT do (an encoder-decoder such as T5 would
@@ -22,17 +22,14 @@ need a second, cross-attention cache).
 from __future__ import annotations
 
 import os
-import socket
 import sys
-import threading
-import urllib.request
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit
 
 import torch
 
 from pagedlearn.errors import PagedLearnError
+from pagedlearn.models import hub
 from pagedlearn.models.tokenizer import ByteTokenizer
 
 if TYPE_CHECKING:
@@ -40,7 +37,6 @@ if TYPE_CHECKING:
 
 OFFLINE_MODELS = ("tiny-gpt2", "tiny-opt")
 TINY_SEED = 0
-PROBE_TIMEOUT_S = 3.0  # a hub that does not take a TCP connection within this is unreachable
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _DECODERS_ONLY = "pagedlearn runs decoder-only causal language models (GPT-2, OPT, ...)"
 _OFFLINE_HINT = (
@@ -145,7 +141,7 @@ def _load_tiny(name: str, tokenizer: Any, dtype: torch.dtype | None) -> LoadedMo
 
 
 def _load_auto(tokenizer: Any, dtype: torch.dtype | None) -> LoadedModel:
-    if _in_cache("gpt2"):
+    if hub.in_cache("gpt2"):
         try:
             return _pretrained("gpt2", "gpt2", tokenizer, dtype, stage="cache")
         except _NotCached:  # only partly downloaded
@@ -162,18 +158,23 @@ def _load_auto(tokenizer: Any, dtype: torch.dtype | None) -> LoadedModel:
 
 
 def _load_hub(name: str, tokenizer: Any, dtype: torch.dtype | None) -> LoadedModel:
+    from huggingface_hub import constants
+    from huggingface_hub.errors import HFValidationError
+
     # 1. The local cache: milliseconds. Most runs after the first end here.
-    if _in_cache(name):
+    try:
+        cached = hub.in_cache(name)
+    except HFValidationError as e:
+        msg = f"{name!r} is neither a local folder nor a valid hub model name ({e})"
+        raise ModelLoadError(msg) from e
+    if cached:
         try:
             return _pretrained(name, name, tokenizer, dtype, stage="cache")
         except _NotCached:  # only partly downloaded
             pass
-    # 2. Not cached. Ask whether the hub can be reached *before* from_pretrained does: without a
-    # network, huggingface_hub retries 5 times with back-off (23 s measured where DNS fails; add
-    # a 10 s timeout per try where a firewall drops packets). A lab should fail at once instead.
-    from huggingface_hub import constants
-
-    why = _offline_mode() or _probe_hub()
+    # 2. Not cached. Ask whether the hub can be reached *before* from_pretrained does, which
+    # would retry for half a minute without a network (see hub.py). A lab should fail at once.
+    why = hub.why_unreachable()
     if why is None:
         return _pretrained(name, name, tokenizer, dtype, stage="hub")
     raise ModelLoadError(
@@ -189,7 +190,6 @@ def _pretrained(source: str, name: str, tokenizer: Any, dtype, stage: str) -> Lo
 
     What transformers raises becomes a ModelLoadError naming ``name`` -- or _NotCached when the
     cache lacks files, so that the caller can go on to the hub."""
-    from huggingface_hub.errors import LocalEntryNotFoundError
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     local, step = stage != "hub", "config"
@@ -208,7 +208,7 @@ def _pretrained(source: str, name: str, tokenizer: Any, dtype, stage: str) -> Lo
     except ModelLoadError:
         raise
     except Exception as e:  # from_pretrained raises OSError, ValueError, ImportError, ...
-        missing = any(isinstance(c, LocalEntryNotFoundError) for c in _causes(e))
+        missing = hub.missing_from_cache(e)
         if missing and stage == "cache":
             raise _NotCached from e
         if missing and stage == "hub":
@@ -217,69 +217,6 @@ def _pretrained(source: str, name: str, tokenizer: Any, dtype, stage: str) -> Lo
         hint = "; pass one: load(..., tokenizer=...)" if step == "tokenizer" else ""
         raise ModelLoadError(f"could not load the {step} of {name!r}: {e}{hint}") from e
     return _ready(model, tokenizer, name, dtype)
-
-
-def _in_cache(name: str) -> bool:
-    """Whether the hub cache holds ``name``'s config.json, looked up on disk only: even with
-    local_files_only=True, huggingface_hub 2.x may first go online (for a user-agent registry,
-    3 s timeout), which a lab without a network should not wait for just to learn "not cached"."""
-    from huggingface_hub import try_to_load_from_cache
-    from huggingface_hub.errors import HFValidationError
-
-    try:
-        return isinstance(try_to_load_from_cache(name, "config.json"), str)
-    except HFValidationError as e:
-        msg = f"{name!r} is neither a local folder nor a valid hub model name ({e})"
-        raise ModelLoadError(msg) from e
-
-
-def _causes(e: BaseException | None) -> list[BaseException]:
-    chain: list[BaseException] = []
-    while e is not None and e not in chain:
-        chain.append(e)
-        e = e.__cause__ or e.__context__
-    return chain
-
-
-def _offline_mode() -> str | None:
-    """Why the hub must not be asked, if offline mode is on (in the environment, or in the
-    huggingface_hub constant that was read from it at import)."""
-    from huggingface_hub import constants
-
-    for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
-        if os.environ.get(var, "").strip().upper() in {"1", "ON", "YES", "TRUE"}:
-            return f"offline mode is on ({var}={os.environ[var]}), so it was not asked"
-    if constants.HF_HUB_OFFLINE:
-        return "offline mode is on (HF_HUB_OFFLINE), so it was not asked"
-    return None
-
-
-def _probe_hub() -> str | None:
-    """None if a TCP connection to the hub endpoint (or the proxy in front of it) opens within
-    ``PROBE_TIMEOUT_S`` seconds, else why not. ``create_connection``'s own timeout does not cover
-    the DNS look-up, which can stall for long, so the attempt runs in a thread we stop waiting for.
-    """
-    from huggingface_hub import constants
-
-    timeout, url = PROBE_TIMEOUT_S, urlsplit(constants.ENDPOINT)
-    host, port = url.hostname or "", url.port or (443 if url.scheme == "https" else 80)
-    proxy = urllib.request.getproxies().get(url.scheme)  # httpx honours HTTPS_PROXY & co. too
-    if proxy and not urllib.request.proxy_bypass(host):
-        p = urlsplit(proxy if "://" in proxy else f"http://{proxy}")
-        host, port = p.hostname or "", p.port or 80
-    outcome: list[str | None] = []
-
-    def connect() -> None:
-        try:
-            socket.create_connection((host, port), timeout=timeout).close()
-            outcome.append(None)
-        except OSError as e:
-            outcome.append(f"cannot connect to {host}:{port} ({type(e).__name__}: {e})")
-
-    thread = threading.Thread(target=connect, name="pagedlearn-hub-probe", daemon=True)
-    thread.start()
-    thread.join(timeout)
-    return outcome[0] if outcome else f"no answer from {host}:{port} within {timeout:g} s"
 
 
 def _check_causal_lm(config: PretrainedConfig, what: str, cls: type | None = None) -> None:
