@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet -e ".[dev]"
 	@touch $(STAMP)
 
-demo: $(STAMP)  ## the main job: the memory manager serving a few sequences
+demo: $(STAMP)  ## the main job: a model serving a mixed batch from a small paged KV cache
 	$(BIN)/python -m pagedlearn demo
 
 test: lint  ## the whole suite, as CI runs it (.ci/run calls this)

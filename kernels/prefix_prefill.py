@@ -158,6 +158,8 @@ def paged_attention_prefill(
     context_lens,
     scale=None,
     max_query_len=None,
+    *,
+    check_values=True,
 ):
     """Prefill/extend attention for packed new tokens over a paged KV cache, in Triton.
 
@@ -168,12 +170,14 @@ def paged_attention_prefill(
     context_lens: int32 ``(num_seqs,)``, all keys of each sequence (cached prefix + new tokens);
     scale: defaults to ``1 / sqrt(head_dim)``; max_query_len: the longest query length, if the
     caller knows it (otherwise it is read from ``cu_seqlens_q``, one device-to-host copy).
+    On the CPU the tables' values are checked unless ``check_values=False``.
     Returns ``(total_query_tokens, num_heads, head_dim)``, same result as
     :func:`pagedlearn.attention.paged_attention_prefill_ref`.
     """
     on_cpu = q.device.type == "cpu" if isinstance(q, torch.Tensor) else True
+    check = on_cpu and check_values
     shape = check_prefill(
-        q, key_cache, value_cache, block_tables, cu_seqlens_q, context_lens, scale, on_cpu
+        q, key_cache, value_cache, block_tables, cu_seqlens_q, context_lens, scale, check
     )
     caches = [("key_cache", key_cache), ("value_cache", value_cache)]
     interpreted = check_launchable(

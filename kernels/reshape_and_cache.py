@@ -73,17 +73,19 @@ def launch_constants(shape: CacheShape) -> dict:
     }
 
 
-def write_kv(key, value, key_cache, value_cache, slot_mapping):
+def write_kv(key, value, key_cache, value_cache, slot_mapping, *, check_values=True):
     """Write ``key[i]`` and ``value[i]`` into slot ``slot_mapping[i]`` of the caches, in place.
 
     key, value: ``(num_tokens, num_kv_heads, head_dim)``, the dtype of the caches;
     key_cache, value_cache: ``(num_blocks, block_size, num_kv_heads, head_dim)``, contiguous;
     slot_mapping: int ``(num_tokens,)``; slot ``s`` is offset ``s % block_size`` of physical block
     ``s // block_size``; negative slots are skipped. On the CPU, slots past the cache or used twice
-    are refused (on a GPU that check would cost a sync, and is left to the caller).
+    are refused (on a GPU that check would cost a sync, and is left to the caller), unless
+    ``check_values=False`` (the engine, whose slots come from a KVCacheManager).
     """
     on_cpu = key.device.type == "cpu" if isinstance(key, torch.Tensor) else True
-    shape = check_write_kv(key, value, key_cache, value_cache, slot_mapping, on_cpu)
+    check = on_cpu and check_values
+    shape = check_write_kv(key, value, key_cache, value_cache, slot_mapping, check)
     caches = [("key_cache", key_cache), ("value_cache", value_cache)]
     check_launchable(_write_kv_kernel, "write_kv", "write_kv_ref", key, caches)
     num_tokens = key.shape[0]

@@ -14,6 +14,9 @@ Read them in order; each computes the same numbers as the one before, a step clo
 4. :func:`paged_attention_prefill_ref` -- prefill/extend: several new tokens per sequence whose
    first ``context_len - query_len`` keys are already cached (a prefix-cache hit), attending
    causally to the cached prefix and to each other.
+5. :func:`paged_attention_batched` -- (2) for all sequences at once, as tensor operations: gather
+   every padded block-table row, mask what lies past each length. No Python loop over sequences,
+   so it is what the engine runs for decode on a CPU.
 
 Plus :func:`write_kv_ref`, the KV write ("reshape_and_cache"): token ``i``'s K/V go to slot
 ``slot_mapping[i]`` = ``block_id * block_size + offset``; a negative slot means "skip" (padding).
@@ -154,8 +157,49 @@ def paged_attention_online_softmax_ref(
     return out
 
 
+def paged_attention_batched(
+    q, key_cache, value_cache, block_tables, context_lens, scale=None, *, check_values=True
+):
+    """:func:`paged_attention_ref` for all sequences at once: one gather, one masked softmax.
+
+    Every row of ``block_tables`` is gathered in full, ``(num_seqs, max_blocks * block_size)``
+    keys per head; positions at or past a sequence's ``context_len`` (padding, the unused end of
+    its last block) are masked out of the softmax and zeroed in V, so whatever they hold --
+    even NaN -- cannot leak in. Table entries past a sequence's blocks may be anything (-1
+    included): they are replaced by block 0 and then masked. This trades memory (the padded
+    gather) for a handful of large tensor operations instead of a Python loop per sequence.
+    ``check_values=False`` skips the checks of the tables' *values*, for callers (the engine)
+    that built them from a :class:`~pagedlearn.KVCacheManager`.
+    """
+    shape = check_decode(q, key_cache, value_cache, block_tables, context_lens, scale, check_values)
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads = shape.num_kv_heads
+    bs, max_blocks = key_cache.shape[1], block_tables.shape[1]
+    lens = context_lens.long()
+    used = torch.arange(max_blocks, device=q.device)[None, :] < (lens[:, None] + bs - 1) // bs
+    ids = torch.where(used, block_tables.long(), 0)  # (S, max_blocks); padding reads block 0
+    k = key_cache[ids].flatten(1, 2).float()  # (S, L, num_kv_heads, head_dim), L = max_blocks * bs
+    v = value_cache[ids].flatten(1, 2).float()
+    valid = torch.arange(k.shape[1], device=q.device)[None, :] < lens[:, None]  # (S, L)
+    v = v.masked_fill(~valid[:, :, None, None], 0.0)  # 0 * NaN would still be NaN
+    qf = q.float().reshape(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    scores = torch.einsum("skgd,slkd->skgl", qf, k) * shape.scale  # (S, kv_heads, group, L)
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # no keys at all: zeros, not NaN
+    out = torch.einsum("skgl,slkd->skgd", probs, v)
+    return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
+
+
 def paged_attention_prefill_ref(
-    q, key_cache, value_cache, block_tables, cu_seqlens_q, context_lens, scale=None
+    q,
+    key_cache,
+    value_cache,
+    block_tables,
+    cu_seqlens_q,
+    context_lens,
+    scale=None,
+    *,
+    check_values=True,
 ):
     """Prefill/extend over a paged cache, for the packed new tokens of several sequences.
 
@@ -164,10 +208,11 @@ def paged_attention_prefill_ref(
     (the new tokens' K/V included, written by :func:`write_kv_ref` first). The first
     ``context_len - query_len`` of them are the cached prefix -- a prefix-cache hit that is not
     recomputed -- and query ``j`` sees keys ``key_pos <= context_len - query_len + j``.
-    Returns ``(total_query_tokens, num_heads, head_dim)``.
+    Returns ``(total_query_tokens, num_heads, head_dim)``. ``check_values=False``: as in
+    :func:`paged_attention_batched`.
     """
     shape = check_prefill(
-        q, key_cache, value_cache, block_tables, cu_seqlens_q, context_lens, scale, True
+        q, key_cache, value_cache, block_tables, cu_seqlens_q, context_lens, scale, check_values
     )
     out = torch.empty_like(q)
     cu = cu_seqlens_q.tolist()
@@ -177,13 +222,14 @@ def paged_attention_prefill_ref(
     return out
 
 
-def write_kv_ref(key, value, key_cache, value_cache, slot_mapping):
+def write_kv_ref(key, value, key_cache, value_cache, slot_mapping, *, check_values=True):
     """Write each token's K/V into its slot of the paged cache (in place); skip negative slots.
 
     key, value: ``(num_tokens, num_kv_heads, head_dim)``; slot_mapping: int ``(num_tokens,)``.
     Slot ``s`` is row ``s % block_size`` of physical block ``s // block_size``.
+    ``check_values=False`` skips checking the slots (in range, no two tokens in one slot).
     """
-    shape = check_write_kv(key, value, key_cache, value_cache, slot_mapping, True)
+    shape = check_write_kv(key, value, key_cache, value_cache, slot_mapping, check_values)
     keep = slot_mapping >= 0  # padding tokens carry slot -1 and are not written
     slots = slot_mapping[keep].long()
     blocks, offsets = slots // shape.block_size, slots % shape.block_size

@@ -9,6 +9,7 @@ from paged_cases import assert_close, context_lens_for, make_case, make_queries
 from pagedlearn.attention import (
     contiguous_attention,
     gather_kv,
+    paged_attention_batched,
     paged_attention_online_softmax_ref,
     paged_attention_prefill_ref,
     paged_attention_ref,
@@ -153,3 +154,17 @@ def test_write_kv_reference_refuses_duplicate_or_out_of_range_slots_and_writes_n
         with pytest.raises(AttentionInputError, match=message):
             write_kv_ref(key, key, key_cache, value_cache, torch.tensor(slots))
         assert not key_cache.any() and not value_cache.any()
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2)])
+def test_batched_decode_equals_the_per_sequence_reference(num_heads, num_kv_heads):
+    """One gather for all sequences, masked: equal to the loop, NaN in unused slots ignored,
+    padding of -1 in the tables ignored, an empty sequence gives zeros."""
+    case = make_case([5, 1, 37, 16, 0], block_size=4, num_kv_heads=num_kv_heads, head_dim=16)
+    q = make_queries(5, num_heads, 16)
+    tables = case.block_tables.clone()  # padded with out-of-range ids ...
+    tables[1, 1:] = -1  # ... or with -1, as the engine pads them
+    want = paged_attention_ref(q, case.key_cache, case.value_cache, tables, case.context_lens)
+    got = paged_attention_batched(q, case.key_cache, case.value_cache, tables, case.context_lens)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert not got[4].any()

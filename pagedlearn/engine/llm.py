@@ -210,7 +210,7 @@ def _rejected(rid: str, prompt, error: str) -> RequestOutput:
     text = prompt if isinstance(prompt, str) else None
     ids = [] if isinstance(prompt, str) else list(prompt) if hasattr(prompt, "__iter__") else []
     metrics = RequestMetrics(0.0)
-    out = CompletionOutput(0, "", [], 0.0, "error")
+    out = CompletionOutput(0, [], 0.0, "error")
     return RequestOutput(rid, text, ids, [out], True, metrics, 0, error)
 
 

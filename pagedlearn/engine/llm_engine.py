@@ -191,6 +191,9 @@ class LLMEngine:
         rows: dict[str, list[int]] = {}
         for row, s in enumerate(sched.scheduled):
             rows.setdefault(s.request.request_id, []).append(row)
+        # Greedy picks for every row at once: one reduction instead of one per sequence.
+        best_lp, best_tok = logprobs.max(dim=-1)  # ties -> the lowest id, like argmax
+        best = list(zip(best_tok.tolist(), best_lp.tolist(), strict=True))
         outputs = []
         for rid, idx in rows.items():
             req = self.requests[rid]
@@ -206,7 +209,7 @@ class LLMEngine:
                     self.max_model_len,
                 )
             else:
-                self._sample(req, logprobs[idx])
+                self._sample(req, logprobs, idx, best)
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now
             req.metrics.token_times.append(now)
@@ -217,12 +220,15 @@ class LLMEngine:
                 outputs.append(self._output(req))
         return outputs
 
-    def _sample(self, req: Request, rows: torch.Tensor) -> None:
+    def _sample(self, req: Request, logprobs: torch.Tensor, rows: list[int], best) -> None:
         p = req.params
         fork = p.n > 1 and req.next_seq_index == 1  # the first prefill: one row, n samples
         live = []
         for seq, row in zip(list(req.seqs), rows, strict=True):
-            draws = self.sampler.sample(row, p, p.n if fork else 1, req.generator)
+            if p.greedy:
+                draws = [best[row]] * (p.n if fork else 1)
+            else:
+                draws = self.sampler.sample(logprobs[row], p, p.n if fork else 1, req.generator)
             children = [seq] + [req.new_sequence(list(seq.token_ids)) for _ in draws[1:]]
             for child, (tok, lp) in zip(children, draws, strict=True):
                 child.token_ids.append(tok)
@@ -255,11 +261,7 @@ class LLMEngine:
             seqs = sorted(req.seqs + req.done, key=lambda s: s.index)
         outs = [
             CompletionOutput(
-                s.index,
-                self._decode(s.output_token_ids),
-                s.output_token_ids,
-                s.cumulative_logprob,
-                s.finish_reason,
+                s.index, s.output_token_ids, s.cumulative_logprob, s.finish_reason, self._decode
             )
             for s in seqs
         ]

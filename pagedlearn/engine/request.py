@@ -20,6 +20,8 @@ sequence, and a sequence that is re-prefilled after a recompute preemption feeds
 from __future__ import annotations
 
 import enum
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pagedlearn.engine.sampling_params import BeamSearchParams, SamplingParams
@@ -122,13 +124,21 @@ class Request:
 
 @dataclass
 class CompletionOutput:
-    """One sample (or beam) of a request, as in ``vllm.CompletionOutput``."""
+    """One sample (or beam) of a request, as in ``vllm.CompletionOutput``.
+
+    ``text`` is decoded from ``token_ids`` on first use: the engine hands out outputs for every
+    request at every step, and decoding them all each time would cost more than scheduling.
+    """
 
     index: int
-    text: str
     token_ids: list[int]
     cumulative_logprob: float
-    finish_reason: str | None
+    finish_reason: str | None  # "stop", "length", "abort", "error", or None while running
+    detokenize: Callable[[list[int]], str] | None = field(default=None, repr=False, compare=False)
+
+    @functools.cached_property
+    def text(self) -> str:
+        return self.detokenize(self.token_ids) if self.detokenize else ""
 
 
 @dataclass

@@ -109,6 +109,12 @@ class Scheduler:
         return out
 
     def _schedule_running(self, out: SchedulerOutput) -> None:
+        # An append takes at most one block per sequence (a new block, or a copy-on-write copy),
+        # so with that many free blocks nobody can run short: skip the per-request count.
+        if sum(len(r.seqs) for r in self.running) <= self.kv.num_free_blocks:
+            for req in self.running:
+                self._append(req, out)
+            return
         queue, kept = list(self.running), []
         while queue:
             req = queue.pop(0)  # the oldest not yet handled

@@ -8,8 +8,11 @@ they compute q, k, v as always and hand them to us, and we
 
 1. write the new tokens' k and v into their slots of the paged cache (``write_kv``), then
 2. compute attention for the new queries over everything in the cache, reading it through the
-   block tables (``paged_attention_decode`` when every sequence brings one token,
-   ``paged_attention_prefill`` when some bring several).
+   block tables (decode when every sequence brings one token, prefill when some bring several).
+
+Two backends: ``"triton"`` runs the kernels (``kernels.write_kv``, ``paged_attention_decode``,
+``paged_attention_prefill``); ``"torch"`` runs :mod:`pagedlearn.attention` (``write_kv_ref``,
+``paged_attention_batched``, ``paged_attention_prefill_ref``).
 
 The write comes first in every layer, so a query sees its own key, and a sequence that shares a
 block written in this very step (a prefix-cache hit on a prompt being prefilled next to it) reads
@@ -27,6 +30,7 @@ transformers does not build a (total_tokens x total_tokens) causal mask that we 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -60,14 +64,33 @@ class PagedAttentionMetadata:
 
 
 def _ops(backend: str):
-    """(write_kv, decode, prefill) for a backend; the kernels share the references' signatures."""
+    """(write_kv, decode, prefill) for a backend; the kernels share the references' signatures.
+
+    The engine built the tables, slots and lengths from a KVCacheManager that already validated
+    them, so the torch path skips re-checking their values in every layer (the kernels skip it on
+    a GPU anyway), and decodes all sequences in one batched call rather than a loop over them.
+    """
     if backend == "triton":
         from kernels import paged_attention_decode, paged_attention_prefill, write_kv
 
-        return write_kv, paged_attention_decode, paged_attention_prefill
-    from pagedlearn.attention import paged_attention_prefill_ref, paged_attention_ref, write_kv_ref
+        trusted = functools.partial
+        return (
+            trusted(write_kv, check_values=False),
+            paged_attention_decode,  # checks values only on the CPU; cheap next to interpreting
+            trusted(paged_attention_prefill, check_values=False),
+        )
+    from pagedlearn.attention import (
+        paged_attention_batched,
+        paged_attention_prefill_ref,
+        write_kv_ref,
+    )
 
-    return write_kv_ref, paged_attention_ref, paged_attention_prefill_ref
+    trusted = functools.partial
+    return (
+        trusted(write_kv_ref, check_values=False),
+        trusted(paged_attention_batched, check_values=False),
+        trusted(paged_attention_prefill_ref, check_values=False),
+    )
 
 
 def paged_attention_forward(
