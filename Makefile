@@ -43,6 +43,7 @@ check-env: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_block_manager.py
 	$(BIN)/python benchmarks/bench_attention.py
+	$(BIN)/python benchmarks/bench_engine.py
 
 lab: $(STAMP)
 	$(BIN)/jupyter lab notebooks/
