@@ -3,8 +3,11 @@
 # pytest are installed (no venv, no network needed; run from the repository root):
 #   1. the kernel and reference tests, compiled on the GPU, including the `slow` and `gpu` tiers
 #      (bf16 natively, fp32 against the CPU reference, a cache past 2**31 elements);
-#   2. the attention benchmark table (add --quick for fewer rows, --no-flex to skip FlexAttention).
-# Usage: bash benchmarks/gpu_check.sh [bench options]     Exit status: the tests'.
+#   2. the engine's tests on the GPU (Triton backend, tiny models: tokens and logits vs transformers,
+#      preemption, sharing, beams), and the demo;
+#   3. the attention benchmark table (add --quick for fewer rows, --no-flex to skip FlexAttention),
+#      and the engine benchmark on GPT-2 small's shape (random weights, no download needed).
+# Usage: bash benchmarks/gpu_check.sh [attention bench options]     Exit status: the tests'.
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -16,5 +19,10 @@ $PY -m pytest -q -m "" -p no:cacheprovider -o addopts="" \
     tests/test_attention.py tests/test_kernels.py tests/test_kernel_inputs.py \
     tests/test_kernels_random.py
 status=$?
+$PY -m pytest -q -p no:cacheprovider -o addopts="" \
+    tests/test_engine.py tests/test_engine_parts.py tests/test_engine_random.py || status=1
+$PY -m pagedlearn demo --model tiny-gpt2 | tail -12 || status=1
 $PY benchmarks/bench_attention.py "$@"
+$PY benchmarks/bench_engine.py --model gpt2-size-random
+$PY benchmarks/bench_engine.py --model gpt2-size-random --num-prompts 128 --max-tokens 128
 exit $status

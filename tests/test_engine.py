@@ -58,10 +58,11 @@ def test_logits_match_transformers_at_every_step(name):
         full = prompt + out.outputs[0].token_ids
         with torch.no_grad():
             ref = hf_model(name)(torch.tensor([full])).logits[0].float()
-        ours = torch.stack(seen[out.request_id])  # (steps, vocab)
+        ours = torch.stack(seen[out.request_id]).cpu()  # (steps, vocab); HF's copy is on the CPU
         expected = ref[len(prompt) - 1 : len(full) - 1]
         assert ours.shape == expected.shape
         torch.testing.assert_close(ours, expected, atol=1e-4, rtol=0)
+    assert_pool_clean(llm)
 
 
 def _run(prompts=PROMPTS, params=None, **kw):
@@ -206,7 +207,8 @@ def test_bad_arguments_are_refused_clearly():
         make_llm(preemption_mode="drop")
     with pytest.raises(PagedLearnError, match="not both"):
         make_llm(kv_cache_memory=2**20)
-    engine = make_llm().engine
+    llm = make_llm()
+    engine = llm.engine
     with pytest.raises(RequestRejectedError, match="empty"):
         engine.add_request("e", [], greedy())
     with pytest.raises(RequestRejectedError, match="vocabulary"):
@@ -214,3 +216,9 @@ def test_bad_arguments_are_refused_clearly():
     engine.add_request("a", [1, 2], greedy())
     with pytest.raises(RequestRejectedError, match="already in use"):
         engine.add_request("a", [1, 2], greedy())
+    with pytest.raises(RequestRejectedError, match="SamplingParams"):
+        engine.add_request("p", [1, 2], {"max_tokens": 3})
+    while engine.has_unfinished_requests():  # the refused requests left nothing behind
+        engine.step()
+    assert list(engine.requests) == ["a"]
+    assert_pool_clean(llm)

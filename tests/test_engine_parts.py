@@ -54,7 +54,7 @@ def test_kv_cache_memory_sizes_the_pool():
 def test_attention_without_metadata_says_how_to_run_it():
     llm = make_llm()
     with pytest.raises(PagedLearnError, match="paged_metadata"):
-        llm.engine.model(torch.tensor([[1, 2, 3]]))
+        llm.engine.model(torch.tensor([[1, 2, 3]], device=llm.device))
 
 
 def test_auto_backend_is_the_reference_on_a_cpu():

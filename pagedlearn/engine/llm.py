@@ -46,6 +46,10 @@ class LLM:
     with ``TRITON_INTERPRET=1`` set before triton is imported), or "auto" (Triton on a GPU, the
     references on a CPU). ``swap_blocks``: size of the CPU swap pool in blocks (default: as many
     as the device pool when ``preemption_mode="swap"``, else none).
+
+    The model's attention implementation is switched to ``"pagedlearn"`` (see
+    :mod:`pagedlearn.models.paged_attention`); switch it back with
+    ``model.set_attn_implementation("sdpa")`` to use it without the engine.
     """
 
     def __init__(
