@@ -235,6 +235,10 @@ class KVCacheManager:
     def token_ids(self, seq_id: Hashable) -> list[int]:
         return list(self._where(seq_id)[seq_id].token_ids)  # swapped sequences too
 
+    def num_tokens(self, seq_id: Hashable) -> int:
+        """How many tokens the sequence holds KV slots for (O(1); swapped sequences too)."""
+        return self._where(seq_id)[seq_id].num_tokens
+
     def sequences(self) -> list[Hashable]:
         """Ids of the sequences whose blocks are on the GPU (not the swapped-out ones)."""
         return list(self._tables)

@@ -110,6 +110,29 @@ def test_preemption_keeps_outputs_identical(baseline, mode):
     assert_pool_clean(llm)
 
 
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_chunked_prefill_keeps_outputs_identical(baseline, mode):
+    """A step may compute at most 8 tokens: prompts of 43 and 48 tokens go in chunks, next to
+    the other requests' decodes, even on a pool small enough to preempt."""
+    stats = []
+    llm = make_llm(num_blocks=20, max_num_batched_tokens=8, max_num_seqs=8, preemption_mode=mode)
+    llm.engine.subscribe_stats(stats.append)
+    outs = llm.generate(PROMPTS, greedy(20), use_tqdm=False)
+    assert tokens(outs) == baseline
+    assert max(s.num_batched_tokens for s in stats) == 8
+    assert any(s.num_prefill_seqs and s.num_decode_seqs for s in stats)  # mixed steps
+    assert_pool_clean(llm)
+
+
+def test_without_chunked_prefill_a_prompt_longer_than_a_step_is_refused():
+    kw = dict(max_num_batched_tokens=16, max_num_seqs=8)
+    with pytest.raises(RequestRejectedError, match="enable_chunked_prefill"):
+        make_llm(enable_chunked_prefill=False, **kw).engine.add_request("x", PROMPTS[1], greedy())
+    llm = make_llm(**kw)
+    (out,) = llm.generate([PROMPTS[1]], greedy(4), use_tqdm=False)
+    assert out.outputs[0].token_ids == hf_greedy("tiny-gpt2", PROMPTS[1], 4)
+
+
 def test_triton_interpreter_backend_matches_torch():
     pytest.importorskip("triton")
     prompts, params = PROMPTS[:2], greedy(4)

@@ -1,6 +1,7 @@
-"""Random workloads through the engine: whatever the pool size, block size, preemption mode and
-abort, every step keeps the pool's invariants, every request that was not aborted gets the same
-tokens as on a pool large enough for all of them, and the pool ends all-free."""
+"""Random workloads through the engine: whatever the pool size, block size, preemption mode,
+step budget (small budgets prefill prompts in chunks) and abort, every step keeps the pool's
+invariants, every request that was not aborted gets the same tokens as on a pool large enough
+for all of them, and the pool ends all-free."""
 
 from __future__ import annotations
 
@@ -72,9 +73,10 @@ def reference(requests):
     mode=st.sampled_from(["recompute", "swap"]),
     caching=st.booleans(),
     tight=st.floats(0.0, 1.0),
+    step_tokens=st.sampled_from([9, 16, 2048]),  # small budgets: prompts go in chunks
 )
 def test_random_workloads_give_the_same_tokens_on_any_pool(
-    workload, block_size, mode, caching, tight
+    workload, block_size, mode, caching, tight, step_tokens
 ):
     requests, abort = workload
     requests = tuple(requests)
@@ -91,6 +93,8 @@ def test_random_workloads_give_the_same_tokens_on_any_pool(
         block_size=block_size,
         preemption_mode=mode,
         enable_prefix_caching=caching,
+        max_num_batched_tokens=step_tokens,
+        max_num_seqs=9,
     )
     want = reference(requests)
     aborted = requests[abort[0]][0] if abort else None

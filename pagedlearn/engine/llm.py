@@ -45,7 +45,9 @@ class LLM:
     ``attention_backend``: "torch" (the PyTorch references), "triton" (the kernels; on a CPU only
     with ``TRITON_INTERPRET=1`` set before triton is imported), or "auto" (Triton on a GPU, the
     references on a CPU). ``swap_blocks``: size of the CPU swap pool in blocks (default: as many
-    as the device pool when ``preemption_mode="swap"``, else none).
+    as the device pool when ``preemption_mode="swap"``, else none). ``max_num_batched_tokens``:
+    the tokens one step may compute; with ``enable_chunked_prefill`` a longer prompt is
+    prefilled over several steps (see :mod:`pagedlearn.engine.scheduler`).
 
     The model's attention implementation is switched to ``"pagedlearn"`` (see
     :mod:`pagedlearn.models.paged_attention`); switch it back with
@@ -68,6 +70,7 @@ class LLM:
         dtype=None,
         max_num_seqs: int = 64,
         max_num_batched_tokens: int | None = None,
+        enable_chunked_prefill: bool = True,
         verbose: bool = True,
     ) -> None:
         from pagedlearn.models import LoadedModel, load
@@ -124,6 +127,7 @@ class LLM:
             max_num_seqs,
             max_num_batched_tokens,
             preemption_mode,
+            enable_chunked_prefill,
         )
         self.model_name, self.device, self.attention_backend = loaded.name, dev, backend
         self.offline_stand_in = loaded.offline_stand_in

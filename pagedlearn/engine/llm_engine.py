@@ -61,11 +61,14 @@ class LLMEngine:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         preemption_mode: str,
+        chunked_prefill: bool = True,
     ) -> None:
         self.model, self.tokenizer = model, tokenizer
         self.kv, self.kv_cache, self.runner = kv, kv_cache, runner
         self.max_model_len = max_model_len
-        self.scheduler = Scheduler(kv, max_num_seqs, max_num_batched_tokens, preemption_mode)
+        self.scheduler = Scheduler(
+            kv, max_num_seqs, max_num_batched_tokens, preemption_mode, chunked_prefill
+        )
         self.sampler = Sampler()
         self.eos_token_id = getattr(tokenizer, "eos_token_id", None)
         self.requests: dict[str, Request] = {}
@@ -105,10 +108,10 @@ class LLMEngine:
                 f"its prompt needs {-(-n // bs)} blocks of {bs} tokens, more than the whole "
                 f"pool of {pool}"
             )
-        elif n > self.scheduler.max_num_batched_tokens:
+        elif n > self.scheduler.max_num_batched_tokens and not self.scheduler.chunked_prefill:
             why = (
                 f"its prompt has {n} tokens, more than max_num_batched_tokens="
-                f"{self.scheduler.max_num_batched_tokens} (prefill is not chunked)"
+                f"{self.scheduler.max_num_batched_tokens} and enable_chunked_prefill=False"
             )
         elif params.n > self.scheduler.max_num_seqs:
             why = f"it asks for {params.n} sequences, more than max_num_seqs"
@@ -161,6 +164,9 @@ class LLMEngine:
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         t1 = time.perf_counter()
+        for s in sched.scheduled:
+            if s.request.metrics.first_scheduled_time is None:
+                s.request.metrics.first_scheduled_time = t1
         outputs = [self._fail(req) for req in sched.failed]
         # Order matters: swap-outs read blocks that swap-ins or copies may now overwrite.
         self.kv_cache.swap_out(sched.swap_out)
@@ -188,17 +194,16 @@ class LLMEngine:
         return outputs
 
     def _process(self, sched: SchedulerOutput, logprobs: torch.Tensor, now: float):
-        rows: dict[str, list[int]] = {}
+        rows: dict[str, list[int]] = {}  # a chunk short of the prompt's end samples nothing
         for row, s in enumerate(sched.scheduled):
-            rows.setdefault(s.request.request_id, []).append(row)
+            if s.samples:
+                rows.setdefault(s.request.request_id, []).append(row)
         # Greedy picks for every row at once: one reduction instead of one per sequence.
         best_lp, best_tok = logprobs.max(dim=-1)  # ties -> the lowest id, like argmax
         best = list(zip(best_tok.tolist(), best_lp.tolist(), strict=True))
         outputs = []
         for rid, idx in rows.items():
             req = self.requests[rid]
-            if req.metrics.first_scheduled_time is None:
-                req.metrics.first_scheduled_time = now
             if req.is_beam_search:
                 beam_step(
                     req,

@@ -21,6 +21,15 @@ Every step it decides which requests run, with the paper's policy (section 4.5, 
    small watermark of free blocks is kept so that a new prompt does not cause a preemption in
    the very next step.
 
+**Chunked prefill** (on by default): a prompt longer than what is left of the step's token budget
+is prefilled a chunk at a time over several steps, next to the other requests' decodes, instead
+of waiting for a step of its own (or being refused when it is longer than the whole budget).
+Decodes come first: every running sequence that is past its prompt gets its one token, and
+prompts in progress share what is left. A chunk's tokens get their slots with ``append_token``,
+exactly like decoded tokens -- a decode *is* a chunk of one -- so a sequence's next tokens are
+always ``token_ids[kv.num_tokens(seq):]``, and a sequence samples only when its chunk reaches its
+last token. Prefix-cache hits are looked up in the first chunk.
+
 A request that can never fit -- it needs more blocks than the whole pool, even alone -- is failed
 with an error for that request alone; the others go on.
 """
@@ -49,6 +58,7 @@ class ScheduledSequence:
     slots: list[int]
     block_table: list[int]
     is_prefill: bool
+    samples: bool = True  # the chunk reaches the sequence's last token: sample the next one
 
 
 @dataclass
@@ -73,8 +83,10 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         preemption_mode: str = "recompute",
+        chunked_prefill: bool = True,
     ) -> None:
         self.kv = kv
+        self.chunked_prefill = chunked_prefill
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.preemption_mode = preemption_mode
         self.waiting: list[Request] = []
@@ -109,22 +121,32 @@ class Scheduler:
         return out
 
     def _schedule_running(self, out: SchedulerOutput) -> None:
-        # An append takes at most one block per sequence (a new block, or a copy-on-write copy),
-        # so with that many free blocks nobody can run short: skip the per-request count.
-        if sum(len(r.seqs) for r in self.running) <= self.kv.num_free_blocks:
-            for req in self.running:
-                self._append(req, out)
-            return
+        kv = self.kv
+        prefilling = {r.request_id: self._pending(r) for r in self.running if self._pending(r)}
+        decode_seqs = sum(len(r.seqs) for r in self.running if r.request_id not in prefilling)
+        prefill_budget = self.max_num_batched_tokens - decode_seqs  # decodes come first
+        # Each decoding sequence takes at most one block (a new one, or a copy-on-write copy):
+        # with that many free blocks and no prompt in progress, nobody can run short.
+        fast = not prefilling and decode_seqs <= kv.num_free_blocks
         queue, kept = list(self.running), []
         while queue:
             req = queue.pop(0)  # the oldest not yet handled
-            while self.kv.blocks_to_append(req.seq_ids) > self.kv.num_free_blocks:
+            chunk = 1
+            if req.request_id in prefilling:
+                chunk = min(prefilling[req.request_id], prefill_budget)
+                if chunk == 0:  # no budget left this step: it waits, keeping its blocks
+                    kept.append(req)
+                    continue
+            ids = req.seq_ids * chunk
+            while not fast and kv.blocks_to_append(ids) > kv.num_free_blocks:
                 victim = queue.pop() if queue else req  # the youngest; it has not appended yet
                 self._preempt(victim, out)
                 if victim is req:
                     break
             else:
-                self._append(req, out)
+                self._append(req, out, chunk)
+                if req.request_id in prefilling:
+                    prefill_budget -= chunk
                 kept.append(req)
         self.running = kept
 
@@ -161,21 +183,26 @@ class Scheduler:
         kv, bs = self.kv, self.kv.block_size
         while self.waiting:
             req = self.waiting[0]
+            total = sum(-(-len(s.token_ids) // bs) for s in req.seqs)
+            if total > kv.allocator.num_blocks:  # it grew while running, then was preempted
+                n = sum(len(s.token_ids) for s in req.seqs)
+                self._fail(
+                    req,
+                    out,
+                    f"needs {total} blocks for its {n} tokens, more than the "
+                    f"whole pool of {kv.allocator.num_blocks}",
+                )
+                continue
             if not self._fits_budgets(req, req.params.n, out):
                 return
             alone = not self.running
-            blocks = sum(-(-len(s.token_ids) // bs) for s in req.seqs)  # ignoring cache hits
+            if len(req.seqs) == 1:  # the first chunk (all of the prompt without chunking)
+                blocks = -(-self._first_chunk(req, out) // bs)  # ignoring cache hits
+            else:
+                blocks = sum(-(-len(s.token_ids) // bs) for s in req.seqs)
             if not alone and blocks + self.watermark > kv.num_free_blocks:
                 return
             if not self._admit(req, out):
-                if alone:  # even an empty pool cannot hold it
-                    self._fail(
-                        req,
-                        out,
-                        f"needs {blocks} blocks for its {sum(len(s.token_ids) for s in req.seqs)} "
-                        f"tokens, more than the whole pool of {kv.allocator.num_blocks}",
-                    )
-                    continue
                 return
             self.waiting.pop(0)
             self._enqueue(self.running, req, RequestStatus.RUNNING)
@@ -185,61 +212,81 @@ class Scheduler:
         seqs_now = sum(len(r.seqs) for r in self.running)
         if seqs_now + num_seqs > self.max_num_seqs:
             return False
-        new_tokens = (
-            sum(len(s.token_ids) for s in req.seqs)
-            if req.status is RequestStatus.WAITING
-            else len(req.seqs)
-        )
+        left = self.max_num_batched_tokens - out.num_batched_tokens
+        if req.status is not RequestStatus.WAITING:  # swapped: one token per sequence
+            return len(req.seqs) <= left
+        if self.chunked_prefill and len(req.seqs) == 1:  # a first chunk of any size will do
+            return left >= 1
         # A prompt longer than the budget still runs when it is alone in the step.
-        return (
-            not out.scheduled or out.num_batched_tokens + new_tokens <= self.max_num_batched_tokens
-        )
+        return not out.scheduled or sum(len(s.token_ids) for s in req.seqs) <= left
+
+    def _first_chunk(self, req: Request, out: SchedulerOutput) -> int:
+        """How many of a waiting request's tokens to prefill this step (single sequences)."""
+        n = len(req.seqs[0].token_ids)
+        if not self.chunked_prefill or len(req.seqs) > 1:
+            return n
+        return min(n, self.max_num_batched_tokens - out.num_batched_tokens)
 
     def _admit(self, req: Request, out: SchedulerOutput) -> bool:
         """Give every sequence of a waiting request its blocks (all or none) and schedule its
-        prefill. Returns False, changing nothing, when they do not fit."""
+        prefill (or its first chunk). Returns False, changing nothing, when they do not fit."""
         kv = self.kv
         if len(req.seqs) > 1:  # re-admission after recompute: check first, so nothing can fail
             blocks = sum(-(-len(s.token_ids) // kv.block_size) for s in req.seqs)
             if blocks > kv.num_free_blocks:
                 return False
+        chunk = self._first_chunk(req, out)
         reused = []
         for seq in req.seqs:
             try:
-                reused.append(kv.add_sequence(seq.seq_id, seq.token_ids))
+                reused.append(kv.add_sequence(seq.seq_id, seq.token_ids[:chunk]))
             except OutOfBlocksError:  # only a single sequence gets here, so nothing to undo
                 return False
         if req.metrics.first_scheduled_time is None:
             req.num_cached_tokens = reused[0]
         for seq, r in zip(req.seqs, reused, strict=True):
+            n = kv.num_tokens(seq.seq_id)
             out.scheduled.append(
                 ScheduledSequence(
                     req,
                     seq,
                     r,
-                    seq.token_ids[r:],
+                    seq.token_ids[r:n],
                     kv.slot_mapping(seq.seq_id)[r:],
                     kv.block_table(seq.seq_id),
                     is_prefill=True,
+                    samples=n == len(seq.token_ids),
                 )
             )
         return True
 
-    def _append(self, req: Request, out: SchedulerOutput) -> None:
-        for seq in req.seqs:  # the newest token has no K/V yet: it is this step's input
-            slot = self.kv.append_token(seq.seq_id, seq.token_ids[-1])
-            pos = len(seq.token_ids) - 1
+    def _append(self, req: Request, out: SchedulerOutput, chunk: int = 1) -> None:
+        """Schedule each sequence's next ``chunk`` tokens: the newest sampled token (a decode), or
+        the next piece of a prompt. They get their slots now; the forward writes their K/V."""
+        kv = self.kv
+        for seq in req.seqs:
+            start = kv.num_tokens(seq.seq_id)
+            new = seq.token_ids[start : start + chunk]
+            slots = [kv.append_token(seq.seq_id, t) for t in new]
             out.scheduled.append(
                 ScheduledSequence(
                     req,
                     seq,
-                    pos,
-                    [seq.token_ids[-1]],
-                    [slot],
-                    self.kv.block_table(seq.seq_id),
-                    is_prefill=False,
+                    start,
+                    new,
+                    slots,
+                    kv.block_table(seq.seq_id),
+                    is_prefill=start < seq.num_prompt_tokens or chunk > 1,
+                    samples=start + chunk == len(seq.token_ids),
                 )
             )
+
+    def _pending(self, req: Request) -> int:
+        """Prompt tokens a running request has yet to prefill in chunks (0: it is decoding)."""
+        if len(req.seqs) != 1:  # forked samples and beams are past their prompt
+            return 0
+        pending = len(req.seqs[0].token_ids) - self.kv.num_tokens(req.seqs[0].seq_id)
+        return pending if pending > 1 else 0
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         ids = req.seq_ids
