@@ -17,21 +17,25 @@ from pagedlearn.kv_cache_manager import KVCacheManager
 SYSTEM_PROMPT = list(range(100, 108))  # 8 made-up token ids every request starts with
 
 
-def format_pool(kv: KVCacheManager) -> str:
-    """One cell per physical block: owner(s), refcount when shared, ``c`` for cached-free."""
-    a = kv.allocator
+def format_pool(
+    kv: KVCacheManager, labels: dict | None = None, per_row: int = 4, width: int = 14
+) -> str:
+    """One cell per physical block: its owners (``labels`` may shorten their ids), ``xN`` for
+    the refcount of a shared block, ``c`` for cached-free (free, but holding a findable prefix),
+    ``.`` for empty. (``python -m pagedlearn demo`` draws the engine's pool with it too.)"""
+    a, labels = kv.allocator, labels or {}
     owners: dict[int, list[str]] = {}
     for seq_id in kv.sequences():
         for b in kv.block_table(seq_id):
-            owners.setdefault(b, []).append(str(seq_id))
+            owners.setdefault(b, []).append(labels.get(seq_id, str(seq_id)))
     cells = []
     for b in range(a.num_blocks):
         if b in owners:
             cell = "+".join(owners[b]) + (f" x{a.refcount(b)}" if a.refcount(b) > 1 else "")
         else:
-            cell = "c (cached)" if a.is_cached(b) else "."
-        cells.append(f"{b:>3}: {cell:<14}")
-    rows = [" ".join(cells[i : i + 4]).rstrip() for i in range(0, len(cells), 4)]
+            cell = "c" if a.is_cached(b) else "."
+        cells.append(f"{b:>3}: {cell:<{width}}")
+    rows = [" ".join(cells[i : i + per_row]).rstrip() for i in range(0, len(cells), per_row)]
     return "\n".join(rows)
 
 
@@ -56,7 +60,9 @@ def run_demo(num_blocks: int = 16, block_size: int = 4, prefix_caching: bool = T
     log = kv.record()
     print(
         f"pool: {num_blocks} blocks x {block_size} tokens, prefix caching "
-        f"{'on' if prefix_caching else 'off'}"
+        f"{'on' if prefix_caching else 'off'}\n"
+        "(in the pool maps: A+B x2 = a block shared by A and B, refcount 2; c = free but cached; "
+        ". = empty)"
     )
 
     reused = kv.add_sequence("A", [*SYSTEM_PROMPT, 1, 2, 3])

@@ -18,8 +18,8 @@ from __future__ import annotations
 import string
 
 from pagedlearn import BeamSearchParams, SamplingParams
+from pagedlearn.block_demo import format_pool
 from pagedlearn.errors import PagedLearnError
-from pagedlearn.kv_cache_manager import KVCacheManager
 
 SYSTEM = "You are a concise assistant. Answer in one sentence. "
 LONG = (
@@ -48,26 +48,6 @@ def requests():
             BeamSearchParams(beam_width=3, max_tokens=16, ignore_eos=True),
         ),
     ]
-
-
-def format_pool(kv: KVCacheManager, labels: dict[str, str], per_row: int = 6) -> str:
-    """One cell per physical block: its owners (``x2``: refcount when shared), ``c`` for
-    cached-free (holds a findable prefix), ``.`` for empty."""
-    a = kv.allocator
-    owners: dict[int, list[str]] = {}
-    for seq_id in kv.sequences():
-        for b in kv.block_table(seq_id):
-            owners.setdefault(b, []).append(labels.get(seq_id, str(seq_id)))
-    cells = []
-    for b in range(a.num_blocks):
-        if b in owners:
-            cell = "+".join(owners[b]) + (f" x{a.refcount(b)}" if a.refcount(b) > 1 else "")
-        else:
-            cell = "c" if a.is_cached(b) else "."
-        cells.append(f"{b:>3}: {cell:<9}")
-    return "\n".join(
-        " ".join(cells[i : i + per_row]).rstrip() for i in range(0, len(cells), per_row)
-    )
 
 
 def default_num_blocks(tokenizer, reqs, block_size: int) -> int:
@@ -141,7 +121,7 @@ def run_demo(
         score = (engine.kv.allocator.num_shared_blocks, st.used_blocks)
         if score > busiest[0]:
             where = f"step {st.step}: {st.used_blocks} blocks used, {score[0]} shared"
-            busiest = (score, where, format_pool(engine.kv, labels))
+            busiest = (score, where, format_pool(engine.kv, labels, per_row=6, width=9))
         print(
             f"step {st.step:>3}: {st.num_batched_tokens:>4} tokens | running {st.num_running} "
             f"waiting {st.num_waiting} swapped {st.num_swapped} | blocks used "
@@ -166,5 +146,5 @@ def run_demo(
     print("\n== final statistics")
     print(engine.stats().summary())
     print("\n== the pool at the end")
-    print(format_pool(engine.kv, labels))
+    print(format_pool(engine.kv, labels, per_row=6, width=9))
     engine.kv.check_invariants()
