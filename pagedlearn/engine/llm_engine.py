@@ -76,8 +76,8 @@ class LLMEngine:
         self.last_stats: StepStats | None = None
         self._stats_subscribers: list[Callable[[StepStats], None]] = []
         self._arrivals = 0
-        self._finished = 0
-        self._failed = 0
+        self.num_finished = 0
+        self.num_failed = 0
 
     # --- requests -----------------------------------------------------------------------------
     def add_request(
@@ -282,17 +282,19 @@ class LLMEngine:
         )
 
     def _finish(self, req: Request) -> RequestOutput:
+        """Final output; the engine forgets the request (its id may be used again)."""
+        del self.requests[req.request_id]
         req.status = RequestStatus.FINISHED
         req.done.extend(req.seqs)
         req.seqs = []
         req.metrics.finished_time = time.perf_counter()
-        self._finished += 1
+        self.num_finished += 1
         return self._output(req)
 
     def _fail(self, req: Request) -> RequestOutput:
         for seq in req.seqs:
             seq.finish_reason = "error"
-        self._failed += 1
+        self.num_failed += 1
         return self._finish(req)
 
     def _decode(self, token_ids: list[int]) -> str:
@@ -321,54 +323,17 @@ class LLMEngine:
 
     def stats(self) -> StepStats:
         """The statistics as of now (after an abort, say); timings are those of the last step."""
-        return self._snapshot(self.last_stats)
+        return StepStats.collect(self, self.last_stats.step_fields() if self.last_stats else {})
 
     def _publish(self, sched: SchedulerOutput, step_time, forward_time, bookkeeping) -> None:
-        self.last_stats = self._snapshot(
-            None,
-            num_batched_tokens=sched.num_batched_tokens,
-            num_prefill_seqs=sum(x.is_prefill for x in sched.scheduled),
-            num_decode_seqs=sum(not x.is_prefill for x in sched.scheduled),
-            step_time=step_time,
-            forward_time=forward_time,
-            bookkeeping_time=bookkeeping,
-        )
+        step = {
+            "num_batched_tokens": sched.num_batched_tokens,
+            "num_prefill_seqs": sum(x.is_prefill for x in sched.scheduled),
+            "num_decode_seqs": sum(not x.is_prefill for x in sched.scheduled),
+            "step_time": step_time,
+            "forward_time": forward_time,
+            "bookkeeping_time": bookkeeping,
+        }
+        self.last_stats = StepStats.collect(self, step)
         for fn in tuple(self._stats_subscribers):
             fn(self.last_stats)
-
-    def _snapshot(self, last: StepStats | None, **step) -> StepStats:
-        if not step:  # not a step: keep the last step's own numbers
-            names = (
-                "num_batched_tokens",
-                "num_prefill_seqs",
-                "num_decode_seqs",
-                "step_time",
-                "forward_time",
-                "bookkeeping_time",
-            )
-            step = {k: getattr(last, k) if last else 0 for k in names}
-        s, q = self.kv.stats(), self.scheduler
-        return StepStats(
-            step=self.num_steps,
-            num_running=len(q.running),
-            num_waiting=len(q.waiting),
-            num_swapped=len(q.swapped),
-            num_running_seqs=sum(len(r.seqs) for r in q.running),
-            **step,
-            num_blocks=s["num_blocks"],
-            used_blocks=s["used_blocks"],
-            free_blocks=s["free_blocks"],
-            cached_blocks=s["cached_blocks"],
-            cpu_used_blocks=s["cpu_used_blocks"],
-            prefix_query_tokens=s["prefix_query_tokens"],
-            prefix_hit_tokens=s["prefix_hit_tokens"],
-            evictions=s["evictions"],
-            preemptions_recompute=q.num_preemptions["recompute"],
-            preemptions_swap=q.num_preemptions["swap"],
-            swap_out_blocks=s["swap_out_blocks"],
-            swap_in_blocks=s["swap_in_blocks"],
-            cow_copies=s["cow_copies"],
-            allocation_failures=s["allocation_failures"],
-            num_finished=self._finished,
-            num_failed=self._failed,
-        )

@@ -10,6 +10,7 @@ steps gives the rate.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import ClassVar
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,48 @@ class StepStats:
     def prefix_hit_rate(self) -> float:
         """Percent of prompt tokens served from the prefix cache, so far."""
         return 100.0 * self.prefix_hit_tokens / max(self.prefix_query_tokens, 1)
+
+    STEP_FIELDS: ClassVar[tuple[str, ...]] = (
+        "num_batched_tokens",
+        "num_prefill_seqs",
+        "num_decode_seqs",
+        "step_time",
+        "forward_time",
+        "bookkeeping_time",
+    )
+
+    def step_fields(self) -> dict:
+        """The fields that describe the step itself (not the state after it)."""
+        return {k: getattr(self, k) for k in self.STEP_FIELDS}
+
+    @classmethod
+    def collect(cls, engine, step: dict) -> StepStats:
+        """The engine's queues, pool and counters now, with ``step``'s own numbers (or zeros)."""
+        s, q = engine.kv.stats(), engine.scheduler
+        return cls(
+            step=engine.num_steps,
+            num_running=len(q.running),
+            num_waiting=len(q.waiting),
+            num_swapped=len(q.swapped),
+            num_running_seqs=sum(len(r.seqs) for r in q.running),
+            **{k: step.get(k, 0) for k in cls.STEP_FIELDS},
+            num_blocks=s["num_blocks"],
+            used_blocks=s["used_blocks"],
+            free_blocks=s["free_blocks"],
+            cached_blocks=s["cached_blocks"],
+            cpu_used_blocks=s["cpu_used_blocks"],
+            prefix_query_tokens=s["prefix_query_tokens"],
+            prefix_hit_tokens=s["prefix_hit_tokens"],
+            evictions=s["evictions"],
+            preemptions_recompute=q.num_preemptions["recompute"],
+            preemptions_swap=q.num_preemptions["swap"],
+            swap_out_blocks=s["swap_out_blocks"],
+            swap_in_blocks=s["swap_in_blocks"],
+            cow_copies=s["cow_copies"],
+            allocation_failures=s["allocation_failures"],
+            num_finished=engine.num_finished,
+            num_failed=engine.num_failed,
+        )
 
     def as_dict(self) -> dict:
         return {**asdict(self), "usage": self.usage, "prefix_hit_rate": self.prefix_hit_rate}
