@@ -115,18 +115,7 @@ class KVCacheManager:
         table = BlockTable(bs, token_ids=tokens)
         extra = make_extra_keys(self.model_id, adapter_id, cache_salt)
 
-        hits: list[int] = []
-        if self.prefix_cache is not None:
-            for j in range(len(tokens) // bs):  # hash every full block, each chained on the last
-                table.block_hashes.append(self._hash_block(table, j, extra))
-            for j in range((len(tokens) - 1) // bs):  # cap: keep >= 1 token to compute
-                parent = parent_hash(table.block_hashes, j)
-                block = self.prefix_cache.lookup(
-                    table.block_hashes[j], parent, table.block_tokens(j), extra
-                )
-                if block is None:
-                    break
-                hits.append(block)
+        hits = self._lookup_prefix(table, extra)
 
         # Hits that sit in the free queue are taken out of it, so they count against free space.
         revived = sum(1 for b in hits if self.allocator.refcount(b) == 0)
@@ -234,6 +223,16 @@ class KVCacheManager:
 
     def token_ids(self, seq_id: Hashable) -> list[int]:
         return list(self._where(seq_id)[seq_id].token_ids)  # swapped sequences too
+
+    def cached_prefix_tokens(
+        self, token_ids: Iterable[int], cache_salt: Hashable = None, adapter_id: Hashable = None
+    ) -> int:
+        """How many leading tokens ``add_sequence(..., token_ids)`` would reuse from the prefix
+        cache right now (0 without caching). Changes nothing: a scheduler asks it to size a
+        prefill chunk so that the chunk starts after the cached prefix."""
+        table = BlockTable(self.block_size, token_ids=_check_tokens(token_ids))
+        extra = make_extra_keys(self.model_id, adapter_id, cache_salt)
+        return len(self._lookup_prefix(table, extra)) * self.block_size
 
     def num_tokens(self, seq_id: Hashable) -> int:
         """How many tokens the sequence holds KV slots for (O(1); swapped sequences too)."""
@@ -367,6 +366,25 @@ class KVCacheManager:
         except OutOfBlocksError as e:
             self._counters["allocation_failures"] += 1
             raise OutOfBlocksError(e.needed, e.free, e.total, what=what) from None
+
+    def _lookup_prefix(self, table: BlockTable, extra: tuple) -> list[int]:
+        """Hash the table's full blocks into ``table.block_hashes``; return the cached blocks
+        that hold its longest prefix (capped: at least one token is left to compute)."""
+        hits: list[int] = []
+        if self.prefix_cache is None:
+            return hits
+        tokens, bs = table.token_ids, self.block_size
+        for j in range(len(tokens) // bs):  # hash every full block, each chained on the last
+            table.block_hashes.append(self._hash_block(table, j, extra))
+        for j in range((len(tokens) - 1) // bs):  # cap: keep >= 1 token to compute
+            parent = parent_hash(table.block_hashes, j)
+            block = self.prefix_cache.lookup(
+                table.block_hashes[j], parent, table.block_tokens(j), extra
+            )
+            if block is None:
+                break
+            hits.append(block)
+        return hits
 
     def _hash_block(self, table: BlockTable, j: int, extra: tuple) -> bytes:
         parent = parent_hash(table.block_hashes, j)

@@ -124,6 +124,26 @@ def test_chunked_prefill_keeps_outputs_identical(baseline, mode):
     assert_pool_clean(llm)
 
 
+def test_chunked_prefill_starts_after_the_cached_prefix():
+    """With 8 tokens per step, the second chat still reuses the system prompt's 11 full blocks
+    that the first one prefilled chunk by chunk, and computes only the other 17 tokens."""
+    llm = make_llm(max_num_batched_tokens=8, max_num_seqs=8)
+    first = llm.generate([SYSTEM + list(b"What is a block?")], greedy(), use_tqdm=False)
+    stats = []
+    llm.engine.subscribe_stats(stats.append)
+    second = llm.generate([SYSTEM + list(b"Why page the KV?")], greedy(), use_tqdm=False)
+    assert second[0].num_cached_tokens == 44
+    prefill_steps = [s.num_batched_tokens for s in stats if s.num_prefill_seqs]
+    assert prefill_steps == [8, 8, 1]  # 61 prompt tokens: 44 cached, 17 computed in chunks
+    want = make_llm(enable_prefix_caching=False).generate(
+        [SYSTEM + list(b"What is a block?"), SYSTEM + list(b"Why page the KV?")],
+        greedy(),
+        use_tqdm=False,
+    )
+    assert tokens(first + second) == tokens(want)
+    assert_pool_clean(llm)
+
+
 def test_without_chunked_prefill_a_prompt_longer_than_a_step_is_refused():
     kw = dict(max_num_batched_tokens=16, max_num_seqs=8)
     with pytest.raises(RequestRejectedError, match="enable_chunked_prefill"):

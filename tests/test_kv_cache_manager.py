@@ -305,3 +305,17 @@ def test_check_invariants_names_what_broke():
     kv.allocator._free_empty[b] = None  # a used block also sits in the free queue
     with pytest.raises(PagedLearnError, match=r"used \(3\) \+ free \(14\) != num_blocks \(16\)"):
         kv.check_invariants()
+
+
+def test_cached_prefix_tokens_answers_what_add_sequence_would_reuse_and_changes_nothing():
+    kv = KVCacheManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
+    prompt = list(range(10))
+    assert kv.cached_prefix_tokens(prompt) == 0
+    kv.add_sequence("a", prompt)
+    before = snapshot(kv)
+    assert kv.cached_prefix_tokens(prompt) == 8  # 2 full blocks; the last token is computed
+    assert kv.cached_prefix_tokens(prompt[:8]) == 4  # capped: one token must be left to compute
+    assert kv.cached_prefix_tokens(prompt, cache_salt="tenant-2") == 0  # salted: no sharing
+    assert snapshot(kv) == before
+    assert kv.add_sequence("b", prompt) == 8
+    assert KVCacheManager(8, 4).cached_prefix_tokens(prompt) == 0  # caching off

@@ -28,7 +28,7 @@ Decodes come first: every running sequence that is past its prompt gets its one 
 prompts in progress share what is left. A chunk's tokens get their slots with ``append_token``,
 exactly like decoded tokens -- a decode *is* a chunk of one -- so a sequence's next tokens are
 always ``token_ids[kv.num_tokens(seq):]``, and a sequence samples only when its chunk reaches its
-last token. Prefix-cache hits are looked up in the first chunk.
+last token. The first chunk starts after the prompt's cached prefix, which costs no budget.
 
 A request that can never fit -- it needs more blocks than the whole pool, even alone -- is failed
 with an error for that request alone; the others go on.
@@ -221,11 +221,13 @@ class Scheduler:
         return not out.scheduled or sum(len(s.token_ids) for s in req.seqs) <= left
 
     def _first_chunk(self, req: Request, out: SchedulerOutput) -> int:
-        """How many of a waiting request's tokens to prefill this step (single sequences)."""
-        n = len(req.seqs[0].token_ids)
+        """How many of a waiting request's first tokens to admit this step: all of them, or
+        with chunking, its cached prefix (free) plus what the step's token budget has left."""
+        tokens = req.seqs[0].token_ids
         if not self.chunked_prefill or len(req.seqs) > 1:
-            return n
-        return min(n, self.max_num_batched_tokens - out.num_batched_tokens)
+            return len(tokens)
+        left = self.max_num_batched_tokens - out.num_batched_tokens
+        return min(len(tokens), self.kv.cached_prefix_tokens(tokens) + left)
 
     def _admit(self, req: Request, out: SchedulerOutput) -> bool:
         """Give every sequence of a waiting request its blocks (all or none) and schedule its
