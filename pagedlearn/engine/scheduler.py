@@ -122,7 +122,8 @@ class Scheduler:
 
     def _schedule_running(self, out: SchedulerOutput) -> None:
         kv = self.kv
-        prefilling = {r.request_id: self._pending(r) for r in self.running if self._pending(r)}
+        pending = {r.request_id: self._pending(r) for r in self.running}
+        prefilling = {rid: n for rid, n in pending.items() if n}
         decode_seqs = sum(len(r.seqs) for r in self.running if r.request_id not in prefilling)
         prefill_budget = self.max_num_batched_tokens - decode_seqs  # decodes come first
         # Each decoding sequence takes at most one block (a new one, or a copy-on-write copy):
