@@ -265,3 +265,45 @@ def test_bad_arguments_are_refused_clearly():
         engine.step()
     assert not engine.requests  # finished ones are forgotten, refused ones never entered
     assert_pool_clean(llm)
+
+
+def test_another_decoder_needs_no_config_entry():
+    """A Llama-style model -- rotary positions, grouped-query attention (4 heads, 2 KV heads) --
+    runs unmodified on the paged cache and matches its own generate()."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from pagedlearn import LLM
+    from pagedlearn.models import ByteTokenizer
+
+    def llama():
+        config = LlamaConfig(
+            vocab_size=258,
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=128,
+            max_position_embeddings=512,
+            initializer_range=0.2,
+            bos_token_id=None,
+            eos_token_id=256,
+            pad_token_id=257,
+        )
+        with torch.random.fork_rng():  # the same weights twice, the caller's RNG untouched
+            torch.manual_seed(0)
+            return LlamaForCausalLM(config).eval()
+
+    llm = LLM(llama(), tokenizer=ByteTokenizer(), num_blocks=64, block_size=4, verbose=False)
+    assert llm.engine.kv_cache.spec.num_kv_heads == 2
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=12), use_tqdm=False)
+    ref = llama()
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        want = ref.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=12,
+            do_sample=False,
+            eos_token_id=256,
+            pad_token_id=257,
+        )[0, len(prompt) :].tolist()
+        assert out.outputs[0].token_ids == want
+    assert_pool_clean(llm)
