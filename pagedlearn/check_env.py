@@ -28,6 +28,7 @@ REQUIRED = [
     ("matplotlib", "matplotlib"),
     ("ipywidgets", "ipywidgets"),
     ("jupyterlab", "jupyterlab"),
+    ("tqdm", "tqdm"),
 ]
 DEV = [
     ("pytest", "pytest"),
