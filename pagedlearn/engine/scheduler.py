@@ -197,13 +197,11 @@ class Scheduler:
             if not self._fits_budgets(req, req.params.n, out):
                 return
             alone = not self.running
-            if len(req.seqs) == 1:  # the first chunk (all of the prompt without chunking)
-                blocks = -(-self._first_chunk(req, out) // bs)  # ignoring cache hits
-            else:
-                blocks = sum(-(-len(s.token_ids) // bs) for s in req.seqs)
+            chunk = self._first_chunk(req, out)  # all of the prompt without chunking
+            blocks = -(-chunk // bs) if len(req.seqs) == 1 else total  # ignoring cache hits
             if not alone and blocks + self.watermark > kv.num_free_blocks:
                 return
-            if not self._admit(req, out):
+            if not self._admit(req, out, chunk):
                 return
             self.waiting.pop(0)
             self._enqueue(self.running, req, RequestStatus.RUNNING)
@@ -230,19 +228,19 @@ class Scheduler:
         left = self.max_num_batched_tokens - out.num_batched_tokens
         return min(len(tokens), self.kv.cached_prefix_tokens(tokens) + left)
 
-    def _admit(self, req: Request, out: SchedulerOutput) -> bool:
+    def _admit(self, req: Request, out: SchedulerOutput, chunk: int) -> bool:
         """Give every sequence of a waiting request its blocks (all or none) and schedule its
-        prefill (or its first chunk). Returns False, changing nothing, when they do not fit."""
+        prefill (its first ``chunk`` tokens). Returns False, changing nothing, if they don't fit."""
         kv = self.kv
         if len(req.seqs) > 1:  # re-admission after recompute: check first, so nothing can fail
             blocks = sum(-(-len(s.token_ids) // kv.block_size) for s in req.seqs)
             if blocks > kv.num_free_blocks:
                 return False
-        chunk = self._first_chunk(req, out)
         reused = []
         for seq in req.seqs:
             try:
-                reused.append(kv.add_sequence(seq.seq_id, seq.token_ids[:chunk]))
+                tokens = seq.token_ids[:chunk] if len(req.seqs) == 1 else seq.token_ids
+                reused.append(kv.add_sequence(seq.seq_id, tokens))
             except OutOfBlocksError:  # only a single sequence gets here, so nothing to undo
                 return False
         if req.metrics.first_scheduled_time is None:

@@ -63,6 +63,7 @@ class PagedAttentionMetadata:
         return self.max_query_len == 1
 
 
+@functools.cache  # called by every layer in every step: build the partials once
 def _ops(backend: str):
     """(write_kv, decode, prefill) for a backend; the kernels share the references' signatures.
 
