@@ -43,7 +43,7 @@ from pagedlearn.block_table import BlockTable
 from pagedlearn.errors import OutOfBlocksError, PagedLearnError
 from pagedlearn.invariants import check_invariants
 from pagedlearn.prefix_cache import PrefixCache, make_extra_keys, parent_hash
-from pagedlearn.trace import EventLog, Trace
+from pagedlearn.trace import EventLog, StepMarker, Trace
 
 
 class KVCacheManager:
@@ -80,6 +80,7 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.model_id = model_id  # part of every block hash: no sharing across models
         self.trace = Trace()
+        self._marker = StepMarker()
         self.allocator = BlockAllocator(num_blocks, on_evict=self._on_evict)
         self.prefix_cache = PrefixCache() if enable_prefix_caching else None
         # The swap pool holds KV only while its sequence is swapped out: no caching, no eviction.
@@ -324,6 +325,12 @@ class KVCacheManager:
             meta["num_cpu_blocks"] = self.cpu_allocator.num_blocks
         return EventLog(self.trace, meta=meta)
 
+    def mark_step(self, **info) -> None:
+        """Emit a ``step`` event: a frame for replays and live views, with every sequence's
+        token count, its new tokens since the last mark, and ``info`` (JSON-able values).
+        The engine marks after each step; a lab driving the manager by hand may mark too."""
+        self._marker.mark(self, **info)
+
     def check_invariants(self) -> None:
         """Raise :class:`PagedLearnError` naming the first broken invariant (see invariants.py)."""
         check_invariants(self)
@@ -400,7 +407,11 @@ class KVCacheManager:
             self._extra_keys[seq_id],
         ):
             self.allocator.mark_cached(block)
-            self.trace.emit("cache_store", (block,), (seq_id,), hash=block_hash.hex())
+            if self.trace.listening:
+                tokens = table.block_tokens(j)
+                self.trace.emit(
+                    "cache_store", (block,), (seq_id,), hash=block_hash.hex(), tokens=tokens
+                )
 
     def _on_evict(self, block_id: int) -> None:
         # Called by the allocator when it hands out a free cached block for new data.

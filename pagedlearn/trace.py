@@ -18,7 +18,8 @@ kind             blocks               seqs    what happened
 ``cow_copy``     (src, dst)           (s,)    copy-on-write: s's last block src -> fresh dst
 ``free``         s's blocks           (s,)    s finished: refcount -1 each, its table is gone
 ``free``         s's CPU blocks       (s,)    ``info["cpu"]``: a swapped-out s finished (aborted)
-``cache_store``  (b,)                 (s,)    s's full block b registered: ``info["hash"]``
+``cache_store``  (b,)                 (s,)    s's full block b registered: ``info["hash"]``,
+                                              its tokens ``info["tokens"]``
 ``evict``        (b,)                 (s,)    cached block b taken for s's new data; hash gone
 ``swap_out``     s's GPU blocks       (s,)    refcount -1 each; s's table is now
                                               ``info["cpu_blocks"]``, in the CPU pool
@@ -26,11 +27,17 @@ kind             blocks               seqs    what happened
                                               ``info["cpu_blocks"]``
 ``preempt``      ()                   (s,)    the engine preempted s: ``info["mode"]`` is
                                               ``"recompute"`` (s is freed) or ``"swap"``
+``step``         ()                   ()      a frame boundary (``kv.mark_step``): every
+                                              sequence's token count, the tokens it gained
+                                              since the last mark, and the caller's info
 ===============  ===================  ======  =====================================================
 
 A group swapped together (the samples of one request) gets one ``swap_out`` / ``swap_in`` per
 sequence; blocks they share appear in each of their events, as they do in their tables. The
-manager emits every kind but ``preempt``, which the engine emits to say *why* blocks moved. When
+manager emits every kind but ``preempt``, which the engine emits to say *why* blocks moved, and
+``step``, which the engine asks for after each step: block events say which blocks a sequence
+holds, step events say how full they are and what tokens they hold, so that a replay can draw
+a recorded run exactly as the live view drew it. When
 nobody subscribes, ``emit`` is a single ``if``: the manager pays nothing for the trace it is not
 asked for.
 """
@@ -151,6 +158,11 @@ class PoolReplay:
         self.tables: dict[Hashable, list[int]] = {}
         self.swapped: dict[Hashable, list[int]] = {}  # swapped-out tables: CPU block ids
         self.cached: dict[int, str] = {}  # block id -> hash (hex) of the KV it holds
+        self.cached_tokens: dict[int, list[int]] = {}  # block id -> the tokens of that KV
+        # As of the last ``step`` event (empty before one): tokens with KV per sequence, and
+        # what the caller said about that step (the engine: step number, requests, stats).
+        self.tokens: dict[Hashable, list[int]] = {}
+        self.step_info: dict[str, Any] = {}
 
     @classmethod
     def from_events(cls, num_blocks: int, events: Iterable[Event]) -> PoolReplay:
@@ -192,13 +204,52 @@ class PoolReplay:
             self.tables[e.seqs[0]] = list(e.blocks)
         elif e.kind == "preempt":
             pass  # why blocks moved; the free or swap_out events around it say how
+        elif e.kind == "step":
+            # Token lists only grow while a sequence lives, so a mark sends what is new; a
+            # sequence absent at a mark is forgotten (on both sides) and is sent whole again.
+            new = {s: toks for s, toks in e.info["new_tokens"]}
+            self.tokens = {
+                s: self.tokens.get(s, []) + new.get(s, []) for s, _ in e.info["num_tokens"]
+            }
+            self.step_info = {
+                k: v for k, v in e.info.items() if k not in ("num_tokens", "new_tokens")
+            }
         elif e.kind == "cache_store":
             self.cached[e.blocks[0]] = e.info["hash"]
+            self.cached_tokens[e.blocks[0]] = list(e.info.get("tokens", ()))
         elif e.kind == "evict":
             del self.cached[e.blocks[0]]
+            self.cached_tokens.pop(e.blocks[0], None)
         else:  # a kind this replay does not know would silently drift: say so instead
             raise ValueError(f"PoolReplay cannot apply event kind {e.kind!r}")
 
     @property
     def free_blocks(self) -> list[int]:
         return [b for b, c in enumerate(self.refcounts) if c == 0]
+
+
+class StepMarker:
+    """Emits ``step`` events for a manager (``kv.mark_step(**info)`` calls it).
+
+    A step event lists every sequence's token count (GPU and swapped) and only the tokens each
+    gained since the previous mark, so that a long recorded run stays small. Costs nothing when
+    nobody listens.
+    """
+
+    def __init__(self) -> None:
+        self._sent: dict[Hashable, int] = {}  # tokens already sent, per sequence present at a mark
+
+    def mark(self, kv, **info) -> None:
+        if not kv.trace.listening:
+            self._sent = {}  # a listener arriving later gets whole token lists
+            return
+        counts, new, sent = [], [], {}
+        for s in kv.sequences() + kv.swapped_sequences():
+            tokens = kv.token_ids(s)
+            k = self._sent.get(s, 0)
+            counts.append([s, len(tokens)])
+            if len(tokens) > k:
+                new.append([s, tokens[k:]])
+            sent[s] = len(tokens)
+        self._sent = sent
+        kv.trace.emit("step", (), (), num_tokens=counts, new_tokens=new, **info)

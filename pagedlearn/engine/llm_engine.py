@@ -143,7 +143,9 @@ class LLMEngine:
         self.scheduler.remove(req)
         for seq in req.seqs:
             seq.finish_reason = "abort"
-        return self._finish(req)
+        out = self._finish(req)
+        self._mark([out])
+        return out
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work()
@@ -191,6 +193,7 @@ class LLMEngine:
         # plus the Python after the forward (sampling, stop checks, forks and frees).
         post = (t4 - t3) if sched.scheduled else (t4 - t1)
         self._publish(sched, t4 - t0, forward_time, (t1 - t0) + post)
+        self._mark(outputs)
         return outputs
 
     def _process(self, sched: SchedulerOutput, logprobs: torch.Tensor, now: float):
@@ -324,6 +327,38 @@ class LLMEngine:
     def stats(self) -> StepStats:
         """The statistics as of now (after an abort, say); timings are those of the last step."""
         return StepStats.collect(self, self.last_stats.step_fields() if self.last_stats else {})
+
+    def _mark(self, outputs: list[RequestOutput]) -> None:
+        # A ``step`` event (a frame of the live and replay views), if anyone listens.
+        if self.kv.trace.listening:
+            self.kv.mark_step(**self.step_info(outputs))
+
+    def step_info(self, outputs: Sequence[RequestOutput] = ()) -> dict:
+        """What a frame of the pictures says besides the blocks (JSON-able): the step number,
+        the requests in each queue with their sequences, those of ``outputs`` that finished, and
+        the stats (:meth:`StepStats.as_dict`)."""
+        q = self.scheduler
+        requests = [
+            {
+                "id": r.request_id,
+                "status": r.status.value,
+                "seqs": [s.seq_id for s in r.seqs],
+                "prompt_tokens": len(r.prompt_token_ids),
+                "output_tokens": max((len(s.output_token_ids) for s in r.seqs), default=0),
+            }
+            for r in (*q.running, *q.swapped, *q.waiting)
+        ]
+        finished = [
+            {"id": o.request_id, "reason": o.outputs[0].finish_reason if o.outputs else None}
+            for o in outputs
+            if o.finished
+        ]
+        return {
+            "step": self.num_steps,
+            "requests": requests,
+            "finished": finished,
+            "stats": self.stats().as_dict(),
+        }
 
     def _publish(self, sched: SchedulerOutput, step_time, forward_time, bookkeeping) -> None:
         step = {

@@ -1,0 +1,1 @@
+"""Pictures of the paged KV cache, drawn from the real state (see ``state.py``)."""

@@ -1,0 +1,229 @@
+"""What the pictures draw: one frozen :class:`PoolState` per moment, from a live run or a replay.
+
+Every drawing in :mod:`pagedlearn.viz` reads a ``PoolState`` and nothing else, and a ``PoolState``
+comes from one of two places that must agree:
+
+- **live**: :func:`pool_state` reads a :class:`~pagedlearn.KVCacheManager` (or an ``LLM`` /
+  ``LLMEngine``, which adds its requests and stats) as it is now;
+- **replay**: :func:`replay_states` rebuilds the same thing from a recorded event trace
+  (:class:`~pagedlearn.trace.EventLog`) at every ``step`` event -- no model, no manager.
+
+The tests check that both give equal states at every step of a run, so a lab can hand out a JSON
+trace and students see exactly what the live view showed. Read-only: nothing here mutates.
+
+Per block we keep what the paper's figures show: who points at it (``owners``, from the block
+tables), its ``refcount``, how many of its ``block_size`` slots hold KV (``num_tokens``, the
+fullest owner's view: sharers of a partial block hold the same tokens until one writes and
+copies), whether its hash is in the prefix cache (``cached``; a *free* cached block still holds a
+findable prefix until it is evicted) and the tokens it holds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+FREE, CACHED, USED, SHARED = "free", "cached", "used", "shared"
+
+
+@dataclass(frozen=True)
+class BlockState:
+    """One physical block at one moment."""
+
+    block_id: int
+    refcount: int
+    owners: tuple[Hashable, ...]  # sequences whose block table holds it (each once)
+    num_tokens: int  # slots holding KV, 0..block_size
+    cached: bool  # its hash is in the prefix cache
+    block_hash: str | None  # hex of that hash, or None
+    token_ids: tuple[int, ...]  # the tokens whose KV it holds (a free cached block: still there)
+
+    @property
+    def kind(self) -> str:
+        """ "free" (empty), "cached" (free but holding a findable prefix), "used", "shared"."""
+        if self.refcount == 0:
+            return CACHED if self.cached else FREE
+        return SHARED if self.refcount > 1 else USED
+
+
+@dataclass(frozen=True)
+class RequestState:
+    """One engine request (waiting, running, swapped, or finished in this step)."""
+
+    request_id: str
+    status: str  # "waiting" | "running" | "swapped" | "finished"
+    seqs: tuple[Hashable, ...]
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    finish_reason: str | None = None
+
+
+@dataclass(frozen=True)
+class PoolState:
+    """The whole pool at one moment: blocks, tables, swapped tables, requests and stats."""
+
+    block_size: int
+    blocks: tuple[BlockState, ...]
+    tables: dict[Hashable, tuple[int, ...]]  # GPU-resident sequences, logical order
+    num_tokens: dict[Hashable, int]  # tokens with KV, per sequence (swapped ones too)
+    swapped: dict[Hashable, tuple[int, ...]] = field(default_factory=dict)  # CPU block ids
+    requests: tuple[RequestState, ...] = ()
+    step: int | None = None
+    stats: dict[str, Any] = field(default_factory=dict)  # StepStats.as_dict() of an engine
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    def count(self, kind: str) -> int:
+        """How many blocks are of ``kind`` ("free", "cached", "used", "shared")."""
+        return sum(b.kind == kind for b in self.blocks)
+
+    def group_of(self, seq_id: Hashable) -> Hashable:
+        """The request a sequence belongs to (engine runs), else the sequence itself. Drawings
+        colour by group, so that the samples or beams of one request share a colour."""
+        for r in self.requests:
+            if seq_id in r.seqs:
+                return r.request_id
+        return _request_of(seq_id)
+
+    def blocks_of(self, seq_id: Hashable) -> tuple[int, ...]:
+        return self.tables.get(seq_id, ())
+
+    def __iter__(self) -> Iterator[BlockState]:
+        return iter(self.blocks)
+
+
+def _request_of(seq_id: Hashable) -> Hashable:
+    # The engine names sequences "<request_id>.<i>"; other ids are their own group.
+    if isinstance(seq_id, str) and "." in seq_id:
+        return seq_id.rsplit(".", 1)[0]
+    return seq_id
+
+
+def build_state(
+    num_blocks: int,
+    block_size: int,
+    tables: dict[Hashable, list[int]],
+    tokens: dict[Hashable, list[int]],
+    swapped: dict[Hashable, list[int]],
+    cached: dict[int, str],
+    cached_tokens: dict[int, list[int]],
+    info: dict[str, Any] | None = None,
+) -> PoolState:
+    """The one constructor both sources go through, so live and replay cannot drift apart."""
+    owners: list[list[Hashable]] = [[] for _ in range(num_blocks)]
+    fill = [0] * num_blocks
+    content: list[tuple[int, ...]] = [()] * num_blocks
+    for seq, table in tables.items():
+        toks = tokens.get(seq, [])
+        for j, b in enumerate(table):
+            owners[b].append(seq)
+            held = toks[j * block_size : (j + 1) * block_size]
+            if len(held) >= fill[b]:  # the fullest sharer's view (see the module docstring)
+                fill[b], content[b] = len(held), tuple(held)
+    blocks = []
+    for b in range(num_blocks):
+        if not owners[b] and b in cached:  # free but findable: its old KV is still there
+            fill[b], content[b] = block_size, tuple(cached_tokens.get(b, ()))
+        blocks.append(
+            BlockState(
+                b, len(owners[b]), tuple(owners[b]), fill[b], b in cached, cached.get(b), content[b]
+            )
+        )
+    info = info or {}
+    requests = [
+        RequestState(
+            r["id"],
+            r["status"],
+            tuple(r["seqs"]),
+            r.get("prompt_tokens", 0),
+            r.get("output_tokens", 0),
+        )
+        for r in info.get("requests", ())
+    ]
+    requests += [
+        RequestState(f["id"], "finished", (), finish_reason=f.get("reason"))
+        for f in info.get("finished", ())
+    ]
+    return PoolState(
+        block_size,
+        tuple(blocks),
+        {s: tuple(t) for s, t in tables.items()},
+        {s: len(t) for s, t in tokens.items() if s in tables or s in swapped},
+        {s: tuple(t) for s, t in swapped.items()},
+        tuple(requests),
+        info.get("step"),
+        dict(info.get("stats", {})),
+    )
+
+
+def pool_state(source, info: dict[str, Any] | None = None) -> PoolState:
+    """The pool as it is now. ``source``: a ``KVCacheManager``, an ``LLMEngine`` or an ``LLM``
+    (these add their requests and stats), or a ``PoolState`` (returned as is). ``info``: what a
+    ``step`` event said (the live view passes it), instead of asking the engine."""
+    if isinstance(source, PoolState):
+        return source
+    engine = getattr(source, "engine", source)
+    kv = getattr(engine, "kv", engine)
+    if not hasattr(kv, "allocator"):
+        raise TypeError(
+            "pool_state needs a KVCacheManager, an LLMEngine or an LLM, got "
+            f"{type(source).__name__}"
+        )
+    if info is None and engine is not kv:
+        info = engine.step_info()
+    cached, cached_tokens = {}, {}
+    if kv.prefix_cache is not None:
+        for block_hash, entry in kv.prefix_cache.items():
+            cached[entry.block_id] = block_hash.hex()
+            cached_tokens[entry.block_id] = list(entry.token_ids)
+    seqs = kv.sequences()
+    return build_state(
+        kv.allocator.num_blocks,
+        kv.block_size,
+        {s: kv.block_table(s) for s in seqs},
+        {s: kv.token_ids(s) for s in seqs + kv.swapped_sequences()},
+        {s: kv._swapped[s].block_ids for s in kv.swapped_sequences()},
+        cached,
+        cached_tokens,
+        info,
+    )
+
+
+def replay_states(log) -> list[tuple[int, PoolState]]:
+    """Every frame of a recorded run: ``(event index, PoolState)`` at each ``step`` event.
+
+    ``log`` is an :class:`~pagedlearn.trace.EventLog` (``llm.engine.record()``, or
+    ``EventLog.from_json`` of a file a lab handed out). A log without step events (a manager
+    driven by hand that never called ``kv.mark_step``) has no frames.
+    """
+    from pagedlearn.trace import PoolReplay
+
+    if "num_blocks" not in log.meta or "block_size" not in log.meta:
+        raise ValueError(
+            "this log has no meta['num_blocks'] / ['block_size']: record it with "
+            "engine.record() or kv.record()"
+        )
+    replay = PoolReplay(log.meta["num_blocks"])
+    frames = []
+    for e in log.events:
+        replay.apply(e)
+        if e.kind == "step":
+            frames.append((e.index, state_of_replay(replay, log.meta["block_size"])))
+    return frames
+
+
+def state_of_replay(replay, block_size: int) -> PoolState:
+    """A :class:`~pagedlearn.trace.PoolReplay` (as of a ``step`` event) as a ``PoolState``."""
+    return build_state(
+        len(replay.refcounts),
+        block_size,
+        replay.tables,
+        replay.tokens,
+        replay.swapped,
+        replay.cached,
+        replay.cached_tokens,
+        replay.step_info,
+    )
