@@ -10,7 +10,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-all lint format check-env bench lab clean
+.PHONY: install demo test test-all lint format check-env bench lab notebooks figures clean
 
 install: $(STAMP)
 
@@ -47,6 +47,13 @@ bench: $(STAMP)
 
 lab: $(STAMP)
 	$(BIN)/jupyter lab notebooks/
+
+notebooks: $(STAMP)  ## after editing a chapter's .py or .ipynb: bring its twin up to date
+	$(BIN)/jupytext --sync notebooks/[0-9][0-9]_*.py
+	$(BIN)/jupyter nbconvert --log-level=WARN --clear-output --inplace notebooks/[0-9][0-9]_*.ipynb
+
+figures: $(STAMP)  ## regenerate every PNG in figures/ (seeded, offline)
+	$(BIN)/python -m pagedlearn figures
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis *.egg-info

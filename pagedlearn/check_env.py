@@ -34,6 +34,7 @@ DEV = [
     ("pytest", "pytest"),
     ("hypothesis", "hypothesis"),
     ("nbmake", "nbmake"),
+    ("nbclient", "nbclient"),
     ("jupytext", "jupytext"),
     ("ruff", "ruff"),
 ]

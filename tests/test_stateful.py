@@ -36,6 +36,7 @@ from hypothesis.stateful import (
 
 from pagedlearn import KVCacheManager, OutOfBlocksError, PagedLearnError
 from pagedlearn.trace import PoolReplay
+from pagedlearn.viz.state import pool_state, state_of_replay
 
 SYSTEM = [7, 8, 9, 7, 8, 9, 7, 8]  # a shared prefix, repetitive on purpose
 STEPS = Counter()  # steps run per configuration, to prove the test did its work
@@ -282,6 +283,10 @@ class KVCacheMachine(RuleBasedStateMachine):
         assert replay_matches(self.kv, self.replay)
         swapped = {s: list(self.kv._swapped[s].block_ids) for s in self.out}
         assert self.replay.swapped == swapped
+        # A frame (step event) later, the pictures' state rebuilt from events equals the live one:
+        # fill levels, token contents, cached blocks' old tokens included.
+        self.kv.mark_step()
+        assert state_of_replay(self.replay, self.kv.block_size) == pool_state(self.kv, {})
 
     def teardown(self):
         SEEN[self.caching, "evictions"] += self.kv.stats()["evictions"]

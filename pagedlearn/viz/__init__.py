@@ -1,1 +1,42 @@
-"""Pictures of the paged KV cache, drawn from the real state (see ``state.py``)."""
+"""Pictures of the paged KV cache, drawn from the real state -- never from a mock.
+
+Read in this order: ``state`` (one frozen ``PoolState`` per moment, from a live manager / engine
+or from a recorded trace), ``style`` (the colour-blind-safe palette), ``pool`` (the physical
+blocks as a grid), ``tables`` (block tables pointing into the pool, the paper's Figures 6-7),
+``timeline`` (blocks and queues over steps), ``fragmentation`` (reservation vs paging, the
+paper's Figure 2), ``live`` (the ipywidgets dashboard that follows a running engine, and the
+replay view that scrubs through a recorded run).
+
+Every ``draw_*`` function returns a matplotlib ``Figure`` (no pyplot: nothing global changes).
+The names are looked up on first use, so ``import pagedlearn.viz`` loads neither matplotlib nor
+ipywidgets until a drawing is asked for.
+"""
+
+from importlib import import_module
+
+_NAMES = {
+    "PoolState": "state",
+    "BlockState": "state",
+    "RequestState": "state",
+    "pool_state": "state",
+    "replay_states": "state",
+    "Palette": "style",
+    "PoolArtist": "pool",
+    "draw_block_pool": "pool",
+    "draw_block_tables": "tables",
+    "draw_memory_timeline": "timeline",
+    "timeline_rows": "timeline",
+    "fragmentation_breakdown": "fragmentation",
+    "draw_fragmentation": "fragmentation",
+    "draw_reservation_vs_paging": "fragmentation",
+    "LiveBlockView": "live",
+    "ReplayView": "live",
+}
+
+__all__ = sorted(_NAMES)
+
+
+def __getattr__(name: str):
+    if name in _NAMES:
+        return getattr(import_module(f"pagedlearn.viz.{_NAMES[name]}"), name)
+    raise AttributeError(f"module 'pagedlearn.viz' has no attribute {name!r}")

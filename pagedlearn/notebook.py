@@ -1,0 +1,72 @@
+"""The first cell of every chapter: ``env = pagedlearn.notebook.setup()``.
+
+It does the three things every notebook would otherwise repeat:
+
+- on a machine without a CUDA GPU it sets ``TRITON_INTERPRET=1`` (before Triton is imported), so
+  that the Triton kernels run on the CPU in the interpreter -- slowly, but they run;
+- it decides whether the chapter runs at full size (a GPU) or small (a CPU, CI): ``env.quick``,
+  which ``PAGEDLEARN_QUICK=1`` / ``0`` overrides;
+- it picks the models: the real ``gpt2`` / ``facebook/opt-125m`` when they are in the local
+  Hugging Face cache or can be downloaded, else the offline ``tiny-gpt2`` / ``tiny-opt`` (random
+  weights: the text is gibberish, the memory behaviour is real), and says so in one visible line.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class NotebookEnv:
+    device: str  # "cuda" or "cpu"
+    quick: bool  # small sizes: no GPU (or PAGEDLEARN_QUICK=1)
+    gpt2: str  # the model name to pass to LLM(...): "gpt2" or "tiny-gpt2"
+    opt: str  # "facebook/opt-125m" or "tiny-opt"
+    offline: bool  # the real models are not available: the tiny stand-ins are used
+
+    @property
+    def gpu(self) -> bool:
+        return self.device == "cuda"
+
+
+def setup(verbose: bool = True) -> NotebookEnv:
+    """Prepare the kernel for a chapter and say what it will run on (see the module docstring)."""
+    import torch  # after the environment variable below would be too late only for Triton
+
+    gpu = torch.cuda.is_available()
+    if not gpu:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    quick_env = os.environ.get("PAGEDLEARN_QUICK")
+    quick = (quick_env == "1") if quick_env in ("0", "1") else not gpu
+    gpt2, opt = _pick("gpt2", "tiny-gpt2"), _pick("facebook/opt-125m", "tiny-opt")
+    env = NotebookEnv("cuda" if gpu else "cpu", quick, gpt2, opt, gpt2.startswith("tiny"))
+    if verbose:
+        where = torch.cuda.get_device_name() if gpu else "CPU (Triton kernels in the interpreter)"
+        print(f"pagedlearn {_version()} | device: {where} | sizes: {'small' if quick else 'full'}")
+        if env.offline:
+            print(
+                "NOTICE: GPT-2 / OPT are not in the local Hugging Face cache and the hub cannot "
+                "be reached, so this notebook runs the offline tiny models (random weights: the "
+                "text is gibberish; the blocks, tables and memory numbers are real)."
+            )
+    return env
+
+
+def _pick(real: str, tiny: str) -> str:
+    from pagedlearn.models import hub
+
+    if os.environ.get("PAGEDLEARN_OFFLINE") == "1":
+        return tiny
+    try:
+        if hub.in_cache(real) or hub.why_unreachable() is None:
+            return real
+    except Exception:  # a broken cache or an odd network: the offline model still teaches
+        pass
+    return tiny
+
+
+def _version() -> str:
+    import pagedlearn
+
+    return pagedlearn.__version__
