@@ -349,7 +349,12 @@ class LLMEngine:
             for r in (*q.running, *q.swapped, *q.waiting)
         ]
         finished = [
-            {"id": o.request_id, "reason": o.outputs[0].finish_reason if o.outputs else None}
+            {
+                "id": o.request_id,
+                "reason": o.outputs[0].finish_reason if o.outputs else None,
+                "prompt_tokens": len(o.prompt_token_ids),
+                "output_tokens": max((len(c.token_ids) for c in o.outputs), default=0),
+            }
             for o in outputs
             if o.finished
         ]

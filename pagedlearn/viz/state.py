@@ -144,7 +144,14 @@ def build_state(
         for r in info.get("requests", ())
     ]
     requests += [
-        RequestState(f["id"], "finished", (), finish_reason=f.get("reason"))
+        RequestState(
+            f["id"],
+            "finished",
+            (),
+            f.get("prompt_tokens", 0),
+            f.get("output_tokens", 0),
+            finish_reason=f.get("reason"),
+        )
         for f in info.get("finished", ())
     ]
     return PoolState(

@@ -1,0 +1,332 @@
+"""The physical KV block pool as a grid: who owns each block, how full it is, who shares it.
+
+One cell per physical block, in block-id order (row by row, ``per_row`` blocks a row)::
+
+    ┌──────────┐   top band: the block id, and "x<refcount>" when several tables point here
+    │  12 x2   │
+    │█████░░░░░│   bar: filled in proportion to num_tokens / block_size, in the owning request's
+    └──────────┘   colour; hatched when shared; light grey when free but still cached
+
+:class:`PoolArtist` builds these matplotlib artists once and then only *changes* their
+properties (colour, width, hatch, text) for each new :class:`~pagedlearn.viz.state.PoolState`.
+That is what makes the live view fast: no figure, axes or patch is created per frame, and the
+live view and the replay view draw through the very same code. :func:`draw_block_pool` is the
+one-call static version.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
+from matplotlib.patches import Patch, Rectangle
+
+from pagedlearn.viz.state import PoolState, pool_state
+from pagedlearn.viz.style import (
+    CACHED_COLOR,
+    FREE_COLOR,
+    MIXED_COLOR,
+    OUTLINE_COLOR,
+    SHARED_HATCH,
+    Palette,
+    block_color,
+    styled,
+    text_color,
+)
+
+PAD = 0.06  # gap around a cell, in cell widths
+MAX_LEGEND_GROUPS = 10
+
+
+def groups_in_order(state: PoolState) -> list[Hashable]:
+    """The groups (requests) of ``state`` in the order a :class:`Palette` should meet them:
+    its requests as listed (running, swapped, waiting, finished), then owners of blocks by block
+    id, then swapped sequences. Depends only on the state's values, so that a live run and its
+    replay hand out the same colours."""
+    seen: dict[Hashable, None] = {}
+    for r in state.requests:
+        seen.setdefault(r.request_id)
+    for b in state.blocks:
+        for g in sorted({state.group_of(s) for s in b.owners}, key=repr):
+            seen.setdefault(g)
+    for s in sorted(state.swapped, key=repr):
+        seen.setdefault(state.group_of(s))
+    return list(seen)
+
+
+def token_text(token_ids, tokenizer=None) -> str:
+    """What a block holds, as text a reader can see: decoded by ``tokenizer`` and escaped like a
+    Python string literal (so newlines and odd bytes stay visible), or the ids without one."""
+    ids = list(token_ids)
+    if tokenizer is None:
+        return " ".join(map(str, ids))
+    return repr(tokenizer.decode(ids))
+
+
+class PoolArtist:
+    """The pool grid on ``ax``: build once, then :meth:`update` with each new state.
+
+    ``per_row``: blocks per row (default: up to 16). ``palette``: share one to keep request
+    colours consistent across drawings. ``show_tokens``: also print the first characters of
+    each block's tokens (decoded with ``tokenizer``, else ids) -- for small pools.
+
+    After an update, :meth:`face_colors`, :meth:`fill_fractions`, :meth:`hatches` and
+    :meth:`labels` say what is drawn for each block (tests compare them with the state).
+    """
+
+    def __init__(
+        self,
+        ax: Axes,
+        num_blocks: int,
+        block_size: int,
+        *,
+        per_row: int | None = None,
+        palette: Palette | None = None,
+        show_tokens: bool = False,
+        tokenizer=None,
+    ) -> None:
+        for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        per_row = default_per_row(num_blocks) if per_row is None else per_row
+        if not isinstance(per_row, int) or isinstance(per_row, bool) or per_row < 1:
+            raise ValueError(f"per_row must be a positive int, got {per_row!r}")
+        if palette is not None and not isinstance(palette, Palette):
+            raise TypeError(f"palette must be a Palette, got {type(palette).__name__}")
+        self.ax, self.num_blocks, self.block_size = ax, num_blocks, block_size
+        self.per_row = per_row
+        self.palette = palette if palette is not None else Palette()
+        self.show_tokens, self.tokenizer = show_tokens, tokenizer
+        self.title: str | None = None  # None: a title that counts the blocks of each kind
+        self.state: PoolState | None = None
+        self.rows = -(-num_blocks // per_row)
+        self._legend_key = None
+        self.layout_version = 0
+        self.max_legend_groups = MAX_LEGEND_GROUPS  # pool_figure fits it to the figure's height
+        band = 0.55 if show_tokens else 0.42  # the label band's share of a cell's height
+        self._bar_h = (1 - 2 * PAD) * (1 - band)
+        self._bar_w = 1 - 2 * PAD
+        # Static: outlines and block ids never change. Dynamic: bars, "x<refcount>", tokens, title.
+        self._outlines, self._ids, self._bars, self._refs, self._tokens = [], [], [], [], []
+        band_h = 1 - 2 * PAD - self._bar_h
+        h, label = 1 - 2 * PAD, {"va": "center", "fontsize": 10}
+        for b in range(num_blocks):
+            x, y = b % per_row + PAD, self.rows - 1 - b // per_row + PAD
+            top = y + self._bar_h + band_h * (0.72 if show_tokens else 0.5)
+            outline = Rectangle((x, y), self._bar_w, h, fill=False, edgecolor=OUTLINE_COLOR)
+            bar = Rectangle((x, y), 0, self._bar_h, linewidth=0, facecolor=FREE_COLOR)
+            self._outlines.append(ax.add_patch(outline))
+            self._bars.append(ax.add_patch(bar))
+            bar.set_gid(f"fill {b}")
+            self._ids.append(ax.text(x + 0.08, top, str(b), ha="left", gid=f"id {b}", **label))
+            right = x + self._bar_w - 0.06
+            ref = ax.text(
+                right, top, "", ha="right", fontweight="bold", gid=f"refcount {b}", **label
+            )
+            self._refs.append(ref)
+            if show_tokens:
+                mid = y + self._bar_h + band_h * 0.26
+                self._tokens.append(ax.text(x + self._bar_w / 2, mid, "", ha="center", **label))
+        ax.set_xlim(0, per_row)
+        ax.set_ylim(0, self.rows)
+        ax.set_aspect("equal")
+        ax.set_axis_off()
+        self._title = ax.set_title("", y=1.0, pad=8)  # a fixed y skips a slow layout pass
+
+    # --- drawing --------------------------------------------------------------------------------
+    def update(self, state: PoolState) -> None:
+        """Show ``state``: change each block's colour, fill, hatch and label (nothing is created
+        but the legend, and that only when the set of requests on screen changes)."""
+        if not isinstance(state, PoolState):
+            raise TypeError(f"PoolArtist.update needs a PoolState, got {type(state).__name__}")
+        if state.num_blocks != self.num_blocks or state.block_size != self.block_size:
+            raise ValueError(
+                f"this artist draws {self.num_blocks} blocks of {self.block_size} tokens; the "
+                f"state has {state.num_blocks} blocks of {state.block_size}"
+            )
+        self.palette.assign(groups_in_order(state))
+        group_of = {s: state.group_of(s) for s in state.tables}.__getitem__  # once per sequence
+        for blk, bar, ref in zip(state.blocks, self._bars, self._refs, strict=True):
+            color = block_color(blk, group_of, self.palette)
+            bar.set_facecolor(color)
+            bar.set_width(self._bar_w * blk.num_tokens / self.block_size)
+            shared = blk.refcount > 1
+            bar.set_hatch(SHARED_HATCH if shared else None)
+            _set_hatch_color(bar, text_color(color))
+            ref.set_text(f"x{blk.refcount}" if shared else "")
+        for blk, text in zip(state.blocks, self._tokens, strict=False):
+            text.set_text(
+                _short(token_text(blk.token_ids, self.tokenizer)) if blk.token_ids else ""
+            )
+        self._title.set_text(self.title if self.title is not None else pool_title(state))
+        self._update_legend(state, {group_of(s) for s in state.tables})
+        self.state = state
+
+    def _update_legend(self, state: PoolState, owning: set) -> None:
+        groups = [g for g in self.palette.groups if g in owning]  # in colour order
+        key = tuple(groups)
+        if key == self._legend_key:
+            return
+        self._legend_key = key
+        self.layout_version += 1  # the legend is part of the static layer: redraw that too
+        name = "request {}" if state.requests else "{}"
+        handles = [Patch(facecolor=self.palette.color(g), label=name.format(g)) for g in groups]
+        if len(handles) > self.max_legend_groups:
+            more = len(handles) - self.max_legend_groups + 1
+            handles = handles[: self.max_legend_groups - 1]
+            handles.append(Patch(facecolor="none", edgecolor="none", label=f"+{more} more"))
+        handles += [
+            Patch(facecolor=MIXED_COLOR, label="several requests"),
+            Patch(
+                facecolor="#ffffff",
+                edgecolor="#000000",
+                hatch=SHARED_HATCH,
+                label="shared (x = refcount)",
+            ),
+            Patch(facecolor=CACHED_COLOR, edgecolor=OUTLINE_COLOR, label="free, cached"),
+            Patch(facecolor=FREE_COLOR, edgecolor=OUTLINE_COLOR, label="free"),
+        ]
+        self.ax.legend(
+            handles=handles,
+            loc="upper left",
+            bbox_to_anchor=(1.01, 1.0),
+            borderaxespad=0.0,
+            frameon=False,
+        )
+
+    # --- what is drawn, per block (for tests and for the inspection buttons) --------------------
+    def face_colors(self) -> list[str]:
+        """The fill colour of each block, as "#rrggbb"."""
+        from matplotlib.colors import to_hex
+
+        return [to_hex(bar.get_facecolor()) for bar in self._bars]
+
+    def fill_fractions(self) -> list[float]:
+        """How much of each block's bar is filled (num_tokens / block_size as drawn)."""
+        return [bar.get_width() / self._bar_w for bar in self._bars]
+
+    def hatches(self) -> list[str]:
+        """Each block's hatch pattern, "" when not shared."""
+        return [bar.get_hatch() or "" for bar in self._bars]
+
+    def labels(self) -> list[str]:
+        """Each block's label: its id, and "x<refcount>" when shared."""
+        return [
+            f"{i.get_text()} {r.get_text()}".strip()
+            for i, r in zip(self._ids, self._refs, strict=True)
+        ]
+
+    def cell_anchor(self, block_id: int) -> tuple[float, float]:
+        """Data coordinates of the middle of a block cell's left edge (where arrows point)."""
+        x, y = self._outlines[block_id].get_xy()
+        return x, y + (1 - 2 * PAD) / 2
+
+    def dynamic_artists(self) -> list:
+        """The artists an update may change. A renderer may draw everything else once and
+        then redraw only these (blitting) -- until :attr:`layout_version` changes."""
+        return [*self._bars, *self._refs, *self._tokens, self._title]
+
+    def drawn(self) -> list[tuple[str, float, str, str]]:
+        """Everything drawn per block: (colour, fill fraction, hatch, label)."""
+        return list(
+            zip(
+                self.face_colors(),
+                self.fill_fractions(),
+                self.hatches(),
+                self.labels(),
+                strict=True,
+            )
+        )
+
+
+def default_per_row(num_blocks: int) -> int:
+    return min(num_blocks, 16)
+
+
+def pool_title(state: PoolState) -> str:
+    used = state.count("used") + state.count("shared")
+    step = "" if state.step is None else f", step {state.step}"
+    return (
+        f"KV block pool{step}: {used} used ({state.count('shared')} shared), "
+        f"{state.count('cached')} cached, {state.count('free')} free of {state.num_blocks}"
+    )
+
+
+def pool_figure(
+    num_blocks: int,
+    block_size: int,
+    *,
+    per_row: int | None = None,
+    palette: Palette | None = None,
+    show_tokens: bool = False,
+    tokenizer=None,
+) -> tuple[Figure, PoolArtist]:
+    """A Figure sized for the pool, with its :class:`PoolArtist` (the live views use this too)."""
+    per_row = default_per_row(num_blocks) if per_row is None else per_row
+    if not isinstance(per_row, int) or isinstance(per_row, bool) or per_row < 1:
+        raise ValueError(f"per_row must be a positive int, got {per_row!r}")
+    cell = 0.95 if show_tokens else 0.62  # inches: room for a 10 pt label (and tokens)
+    rows = -(-num_blocks // per_row)
+    legend = 2.4  # inches on the right for the legend
+    # Tall enough for the legend: 4 fixed entries and a few requests, 0.25 inch each.
+    grid_h = rows * cell
+    width, height = max(per_row * cell + legend + 0.3, 7.5), max(grid_h, 2.25) + 0.6
+    fig = Figure(figsize=(width, height))
+    bottom = (height - 0.5 - grid_h) / height  # the grid hangs from the top, under the title
+    ax = fig.add_axes((0.15 / width, bottom, per_row * cell / width, grid_h / height))
+    artist = PoolArtist(
+        ax,
+        num_blocks,
+        block_size,
+        per_row=per_row,
+        palette=palette,
+        show_tokens=show_tokens,
+        tokenizer=tokenizer,
+    )
+    artist.max_legend_groups = max(2, int((height - 0.6) / 0.25) - 4)
+    return fig, artist
+
+
+@styled
+def draw_block_pool(
+    source,
+    *,
+    per_row: int | None = None,
+    palette: Palette | None = None,
+    title: str | None = None,
+    show_tokens: bool = False,
+    tokenizer=None,
+) -> Figure:
+    """The physical block pool as a grid: each block coloured by the request owning it, filled
+    in proportion to the tokens it holds, hatched with "x<refcount>" when shared; free blocks
+    white, free-but-cached blocks light grey.
+
+    ``source``: a ``KVCacheManager``, ``LLMEngine``, ``LLM`` or a ``PoolState``. ``show_tokens``
+    prints each block's first tokens (decoded with ``tokenizer``, by default the engine's).
+    """
+    state = pool_state(source)
+    if show_tokens and tokenizer is None:
+        tokenizer = getattr(getattr(source, "engine", source), "tokenizer", None)
+    fig, artist = pool_figure(
+        state.num_blocks,
+        state.block_size,
+        per_row=per_row,
+        palette=palette,
+        show_tokens=show_tokens,
+        tokenizer=tokenizer,
+    )
+    artist.title = title
+    artist.update(state)
+    return fig
+
+
+def _set_hatch_color(patch, color: str) -> None:
+    if hasattr(patch, "set_hatchcolor"):  # matplotlib >= 3.10
+        patch.set_hatchcolor(color)
+    else:  # before, a hatch took the edge colour (the bars have no edge line: linewidth 0)
+        patch.set_edgecolor(color)
+
+
+def _short(text: str, n: int = 8) -> str:
+    return text if len(text) <= n else text[: n - 1] + "…"

@@ -1,0 +1,212 @@
+"""The live dashboard and the replay view, on a real engine (tiny GPT-2, a handful of tokens)."""
+
+import asyncio
+import io
+import os
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from pagedlearn import LLM, KVCacheManager, SamplingParams
+from pagedlearn.viz.live import DPI, MAX_BUTTONS, LiveBlockView, ReplayView
+from pagedlearn.viz.state import pool_state
+from pagedlearn.viz.style import block_color
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+PROMPT = "Hello there my friend"  # 21 tokens with tiny-gpt2's tokenizer: 5 full blocks + 1
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM("tiny-gpt2", num_blocks=24, block_size=4, verbose=False)
+
+
+def add_requests(engine, tag):
+    engine.add_request(f"{tag}a", PROMPT, SamplingParams(max_tokens=5))
+    two = SamplingParams(n=2, temperature=1.0, seed=0, max_tokens=5)  # forks: shared blocks, CoW
+    engine.add_request(f"{tag}b", PROMPT, two)
+    engine.add_request(f"{tag}c", "Other words", SamplingParams(max_tokens=3))
+
+
+def pixels(png: bytes) -> np.ndarray:
+    return np.asarray(Image.open(io.BytesIO(png)).convert("RGB"))
+
+
+@pytest.fixture(scope="module")
+def recorded(llm):
+    """One run watched by a LiveBlockView, with what it drew after every step, and its log."""
+    engine = llm.engine
+    log = engine.record()
+    view = LiveBlockView(llm)
+    add_requests(engine, "r")
+    frames = []
+    while engine.has_unfinished_requests():
+        before = view.image.value
+        view.step()
+        assert view.image.value != before  # the picture changes with every step
+        state = view.state
+        assert state.blocks == pool_state(engine.kv).blocks  # the view shows the engine now
+        colors = [block_color(b, state.group_of, view.palette) for b in state.blocks]
+        assert view.artist.face_colors() == colors
+        frames.append(
+            dict(
+                step=state.step,
+                drawn=view.artist.drawn(),
+                png=view.image.value,
+                stats=view.stats.value,
+                requests=view.requests.value,
+                state=state,
+            )
+        )
+    log.close()
+    view.close()
+    return view, log, frames
+
+
+def test_live_view_follows_the_engine(recorded, llm):
+    view, _, frames = recorded
+    assert [f["step"] for f in frames] == list(range(frames[0]["step"], frames[-1]["step"] + 1))
+    shared = [f for f in frames if any(h for _, _, h, _ in f["drawn"])]
+    assert shared, "the n=2 request shares blocks: some frame must hatch them"
+    last = frames[-1]
+    assert last["state"].stats["cow_copies"] >= 1  # its partial last block was copied on write
+    assert "CoW copies" in last["stats"] and "prefix hit rate" in last["stats"]
+    for rid in ("ra", "rb", "rc"):
+        assert f"> {rid}</td><td>finished (length)" in last["requests"]
+    assert view.last_draw_seconds < 1.0
+    # The picture is the figure: the fast (blitted) render equals a full draw, pixel for pixel.
+    buf = io.BytesIO()
+    view.figure.savefig(buf, format="png", dpi=DPI)
+    assert np.array_equal(pixels(buf.getvalue()), pixels(view.image.value))
+
+
+def test_replay_shows_what_the_live_view_showed(recorded):
+    _, log, frames = recorded
+    replay = ReplayView(log)
+    assert replay.num_frames == len(frames)
+    for k in [*range(len(frames)), 0, len(frames) - 1, 1]:  # forward, then jumps back and forth
+        replay.slider.value = k
+        f = frames[k]
+        assert replay.state == f["state"]
+        assert replay.artist.drawn() == f["drawn"], f"frame {k}"
+        assert replay.stats.value == f["stats"]
+        assert replay.requests.value == f["requests"]
+        assert np.array_equal(pixels(replay.image.value), pixels(f["png"]))
+    replay.show(2)
+    assert replay.slider.value == 2 and replay.frame == 2
+    with pytest.raises(ValueError, match="out of range"):
+        replay.show(len(frames))
+
+
+def test_replay_from_json_text_and_file(recorded, tmp_path):
+    _, log, frames = recorded
+    text = log.to_json()
+    path = tmp_path / "run.json"
+    path.write_text(text)
+    for source in (text, path, str(path)):
+        replay = ReplayView(source)
+        replay.slider.value = len(frames) - 1
+        assert replay.artist.drawn() == frames[-1]["drawn"]
+    assert "token ids" not in replay.inspect(0)  # no tokenizer: ids only
+    with pytest.raises(FileNotFoundError, match="no trace file"):
+        ReplayView(str(tmp_path / "missing.json"))
+    with pytest.raises(TypeError, match="EventLog"):
+        ReplayView(42)
+
+
+def test_replay_of_a_log_without_steps_is_a_clear_error():
+    kv = KVCacheManager(8, 4)
+    log = kv.record()
+    kv.add_sequence("a", [1, 2, 3])
+    with pytest.raises(ValueError, match="no step events"):
+        ReplayView(log)
+
+
+def test_inspect_names_owners_refcount_and_tokens(llm):
+    engine = llm.engine
+    view = LiveBlockView(llm)
+    engine.add_request("ia", PROMPT, SamplingParams(n=2, temperature=1.0, seed=1, max_tokens=4))
+    view.step()
+    state = view.state
+    b = next(b for b in state.blocks if b.refcount == 2 and b.num_tokens == 4)
+    text = view.inspect(b.block_id)
+    assert "refcount: 2" in text and "ia.0 (request ia)" in text and "ia.1 (request ia)" in text
+    assert repr(llm.tokenizer.decode(list(b.token_ids))) in text
+    assert f"hash: {b.block_hash[:12]}" in text and "fill: 4/4 slots" in text
+    free = next(b for b in state.blocks if b.kind == "free")
+    assert "not cached" in view.inspect(free.block_id)
+    view.block_buttons[b.block_id].click()  # what a click shows
+    assert "refcount: 2" in view.details.value
+    button = view.block_buttons[b.block_id]
+    assert button.style.button_color == view.artist.face_colors()[b.block_id]
+    with pytest.raises(ValueError, match="no block 99"):
+        view.inspect(99)
+    with pytest.raises(TypeError):
+        view.inspect("3")
+    view.run()
+    view.close()
+
+
+def test_run_finishes_everything_and_close_detaches(llm):
+    engine = llm.engine
+    view = LiveBlockView(llm, delay=0)
+    assert "application/vnd.jupyter.widget-view+json" in view._repr_mimebundle_()
+    add_requests(engine, "u")
+    done = view.run()
+    assert sorted(o.request_id for o in done) == ["ua", "ub", "uc"]
+    assert not engine.has_unfinished_requests()
+    assert view.state.count("used") + view.state.count("shared") == 0
+    view.close()
+    picture = view.image.value
+    engine.add_request("after", PROMPT, SamplingParams(max_tokens=2))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert view.image.value == picture  # closed: no longer following
+    with pytest.raises(RuntimeError, match="closed"):
+        view.step()
+    with pytest.raises(ValueError, match="delay"):
+        LiveBlockView(llm, delay=-1)
+    with pytest.raises(TypeError, match="LLM"):
+        LiveBlockView("tiny-gpt2")
+
+
+def test_play_runs_in_a_task_and_shows_errors(llm, monkeypatch):
+    engine = llm.engine
+    view = LiveBlockView(llm, delay=0)
+    engine.add_request("p", PROMPT, SamplingParams(max_tokens=3))
+
+    async def play():
+        view.play()
+        assert view.pause_button.disabled is False
+        await view._task
+
+    asyncio.run(play())
+    assert not engine.has_unfinished_requests() and view.play_button.disabled is False
+
+    engine.add_request("q", PROMPT, SamplingParams(max_tokens=3))
+
+    def boom():
+        raise RuntimeError("boom in step")
+
+    monkeypatch.setattr(engine, "step", boom)
+    asyncio.run(play())
+    assert "boom in step" in view.error.value and isinstance(view.last_error, RuntimeError)
+    assert view.play_button.disabled is False  # playing stopped, can be resumed
+    monkeypatch.undo()
+    view.run()
+    view.close()
+
+
+def test_large_pool_uses_a_block_box():
+    kv = KVCacheManager(MAX_BUTTONS + 8, 4, enable_prefix_caching=True)
+    log = kv.record()
+    kv.add_sequence("a", list(range(10)))
+    kv.mark_step()
+    kv.fork("a", "b")
+    kv.mark_step()
+    replay = ReplayView(log)
+    assert replay.block_buttons == [] and replay.num_frames == 2
+    replay.slider.value = 1
+    replay.block_box.value = 1
+    assert "refcount: 2" in replay.details.value and "tokens: 4 5 6 7" in replay.details.value
