@@ -1,4 +1,4 @@
-"""Command line: ``python -m pagedlearn {demo, blocks, check-env, paper}`` (or ``pagedlearn``)."""
+"""Command line: ``python -m pagedlearn {demo, blocks, check-env, paper, figures}``."""
 
 from __future__ import annotations
 
@@ -42,8 +42,17 @@ def main(argv: list[str] | None = None) -> int:
     paper = sub.add_parser("paper", help="recompute the paper's memory figures beside its numbers")
     paper.add_argument("--quick", action="store_true", help="fewer requests and sweep points")
     paper.add_argument("--figures", default="figures", help="where to write PNGs ('' for none)")
+    figures = sub.add_parser("figures", help="regenerate every PNG in figures/ (seeded, offline)")
+    figures.add_argument("--out", default="figures", help="where to write the PNGs")
+    figures.add_argument("--no-paper", action="store_true", help="skip the paper's figures")
+    figures.add_argument("--quick", action="store_true", help="smaller simulations")
     args = parser.parse_args(argv)
 
+    if args.command == "figures":
+        from pagedlearn.figures import make_figures
+
+        make_figures(args.out, paper=not args.no_paper, quick=args.quick)
+        return 0
     if args.command == "paper":
         from pagedlearn.sim.paper import report
 
