@@ -1,7 +1,8 @@
 """The first cell of every chapter: ``env = pagedlearn.notebook.setup()``.
 
-It does the three things every notebook would otherwise repeat:
+It does the things every notebook would otherwise repeat:
 
+- it turns on inline figures (``%matplotlib inline``), so that a returned ``Figure`` is drawn;
 - on a machine without a CUDA GPU it sets ``TRITON_INTERPRET=1`` (before Triton is imported), so
   that the Triton kernels run on the CPU in the interpreter -- slowly, but they run;
 - it decides whether the chapter runs at full size (a GPU) or small (a CPU, CI): ``env.quick``,
@@ -35,6 +36,7 @@ def setup(verbose: bool = True) -> NotebookEnv:
     import torch  # after the environment variable below would be too late only for Triton
 
     gpu = torch.cuda.is_available()
+    _show_figures_inline()
     if not gpu:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     quick_env = os.environ.get("PAGEDLEARN_QUICK")
@@ -51,6 +53,18 @@ def setup(verbose: bool = True) -> NotebookEnv:
                 "text is gibberish; the blocks, tables and memory numbers are real)."
             )
     return env
+
+
+def _show_figures_inline() -> None:
+    # The drawings return matplotlib Figures without pyplot; a Figure shows as a picture only
+    # once the inline backend's display hook is registered, which nothing else here triggers.
+    try:
+        from IPython import get_ipython
+    except ImportError:  # plain Python: nothing to display into
+        return
+    shell = get_ipython()
+    if shell is not None:
+        shell.run_line_magic("matplotlib", "inline")
 
 
 def _pick(real: str, tiny: str) -> str:

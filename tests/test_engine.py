@@ -250,6 +250,8 @@ def test_bad_arguments_are_refused_clearly():
         make_llm(preemption_mode="drop")
     with pytest.raises(PagedLearnError, match="not both"):
         make_llm(kv_cache_memory=2**20)
+    with pytest.raises(PagedLearnError, match="swap_blocks=0"):
+        make_llm(preemption_mode="swap", swap_blocks=0)
     llm = make_llm()
     engine = llm.engine
     with pytest.raises(RequestRejectedError, match="empty"):

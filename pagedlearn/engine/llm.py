@@ -100,6 +100,11 @@ class LLM:
         _check_positive("num_blocks", num_blocks, hint=f"{spec.formula()}; the budget holds none")
         if swap_blocks is None:
             swap_blocks = num_blocks if preemption_mode == "swap" else 0
+        if preemption_mode == "swap" and swap_blocks == 0:
+            raise PagedLearnError(
+                "preemption_mode='swap' needs a CPU swap pool, but swap_blocks=0: give it some "
+                "blocks (or leave it None: as many as the GPU pool), or use 'recompute'"
+            )
         if max_num_batched_tokens is None:
             max_num_batched_tokens = max(2048, max_len)
         if max_num_batched_tokens < max_num_seqs:

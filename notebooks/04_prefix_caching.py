@@ -1,0 +1,393 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 04 · Prefix caching: finding KV that was already computed
+#
+# Chats that start with the same system prompt, few-shot examples sent again and again, the
+# earlier turns of a conversation: many prompts begin with tokens whose K/V the server computed
+# a moment ago. **Automatic prefix caching** (vLLM's name) gives every *full* block a
+# **block hash** and keeps a map `hash -> physical block`; a new prompt walks its blocks from the
+# start, and every block whose hash is found is shared (refcount +1) instead of recomputed. When
+# no sequence uses a cached block any more it stays in the pool, findable, until its slot is
+# needed for new data: then the least recently used one is **evicted**.
+#
+# **What you will learn**
+#
+# 1. the hash chain `H(parent hash, block tokens, extra keys)`, and why it must include the
+#    parent: the same tokens after a different prefix hold different K/V (we check it in the KV
+#    tensors);
+# 2. extra keys and the cache salt: no sharing across tenants, adapters or models;
+# 3. cold vs warm cache on a real model: `num_cached_tokens`, the hit rate, and where the shared
+#    blocks are in the pool;
+# 4. LRU eviction under memory pressure, event by event;
+# 5. the hit rate of a shared-system-prompt workload, measured and simulated, and a recorded run
+#    to scrub through.
+#
+# **What you need** Nothing beyond the package: everything runs on a CPU in a few seconds.
+# Without network (or without GPT-2 in the local Hugging Face cache) the chapter runs the offline
+# `tiny-gpt2` (random weights: gibberish text, but real blocks, hashes, hits and evictions). With
+# GPT-2 available the same cells run it; prompts are cut to fixed lengths in tokens, so the
+# block pictures keep their shape.
+
+# %%
+from pagedlearn.notebook import setup
+
+env = setup()
+
+# %%
+from IPython.display import display
+
+from pagedlearn import LLM, KVCacheManager, SamplingParams
+from pagedlearn.prefix_cache import ROOT_HASH, hash_block, make_extra_keys, parent_hash
+from pagedlearn.sim.prefix import prefix_caching
+from pagedlearn.viz import ReplayView, draw_block_pool, draw_memory_timeline
+
+BLOCK_SIZE = 4
+llm = LLM(env.gpt2, num_blocks=24, block_size=BLOCK_SIZE, verbose=False)
+tok = llm.tokenizer
+
+
+def block_of(text):
+    """The first BLOCK_SIZE token ids of ``text``: one full block."""
+    ids = tok.encode(text)
+    assert len(ids) >= BLOCK_SIZE, f"{text!r} is shorter than a block"
+    return ids[:BLOCK_SIZE]
+
+
+# %% [markdown]
+# ## The hash chain
+#
+# A block's hash covers its own tokens **and its parent's hash** (the previous block's; the
+# first block chains on a fixed `ROOT_HASH`), plus the extra keys. So a hash names the whole
+# prefix up to the end of its block, not just four tokens. Take three blocks of tokens `A`, `B`,
+# `C` and two prompts, `A B` and `C B`: block `B` has the same tokens in both, at the same
+# position, yet its hash differs.
+
+# %%
+A, B, C = block_of("Once upon a time"), block_of("the end of it all"), block_of("In the year 3000")
+extra = make_extra_keys(model_id=llm.model_name)  # (model, adapter, salt)
+
+
+def chain(blocks):
+    """Block hashes of consecutive blocks, each chained on its parent (first 8 hex digits)."""
+    hashes = []
+    for j, block in enumerate(blocks):
+        hashes.append(hash_block(parent_hash(hashes, j), block, extra))
+    return [h.hex()[:8] for h in hashes]
+
+
+print("tokens of B:", B, repr(tok.decode(B)))
+print("A B ->", chain([A, B]))
+print("C B ->", chain([C, B]))
+print("B alone at the start ->", hash_block(ROOT_HASH, B, extra).hex()[:8])
+
+# %% [markdown]
+# Why insist on it? Because the K/V stored for a token depend on every token before it. In
+# layer 0 a token's key is computed from that token and its position only; every later layer
+# has mixed in the prefix through attention. We run both prompts through the model and compare
+# the keys that block `B` received in each, layer by layer, straight from the KV tensors.
+
+# %%
+engine = llm.engine
+last = tok.encode(" and")[:1]  # one more token after the full blocks
+two = SamplingParams(max_tokens=2, ignore_eos=True)  # still running after the first step
+engine.add_request("AB", A + B + last, two)
+engine.add_request("CB", C + B + last, two)
+engine.step()  # the prefill of both: their K/V are now in the pool
+block_AB, block_CB = (engine.kv.block_table(f"{r}.0")[1] for r in ("AB", "CB"))
+for layer in range(engine.kv_cache.spec.num_layers):
+    k = engine.kv_cache.key_cache(layer)  # (num_blocks, block_size, num_kv_heads, head_dim)
+    diff = (k[block_AB] - k[block_CB]).abs().max().item()
+    print(f"layer {layer}: max |K(B after A) - K(B after C)| = {diff:.4f}")
+while engine.has_unfinished_requests():
+    engine.step()
+
+# %% [markdown]
+# Layer 0 agrees to the last bit; the later layers do not. A hash of `B`'s tokens alone would
+# hand the `C B` prompt the K/V computed after `A`: a silently wrong answer. The chained hash
+# makes that impossible -- and on a hit the cache also compares the stored parent hash, tokens
+# and extra keys, so even a hash collision could only cost a miss.
+#
+# In the pool, the two prompts hold `B` in two different physical blocks, each registered under
+# its own hash (both requests have finished, so their full blocks are now *cached*: free, but
+# findable; `show_tokens` prints what each block holds).
+
+# %%
+title = f"B after A in block {block_AB}, B after C in block {block_CB}"
+draw_block_pool(llm, per_row=12, show_tokens=True, tokenizer=tok, title=title)
+
+# %% [markdown]
+# ## Extra keys: who may share
+#
+# Tokens are not the whole identity of a block's K/V. The **extra keys** hold what must never be
+# shared across: the model (`model_id`, given to the `KVCacheManager`), the LoRA adapter
+# (`adapter_id`) and a **cache salt** (`cache_salt`, per user or tenant). The salt is about
+# privacy: if tenants shared a cache, one could time its requests to learn whether another sent
+# a given prompt (a cache hit answers faster). `add_sequence` returns the number of prompt tokens
+# it found in the cache:
+
+# %%
+kv = KVCacheManager(
+    num_blocks=16, block_size=BLOCK_SIZE, enable_prefix_caching=True, model_id=llm.model_name
+)
+prompt = A + B + C + last
+print("alice, first      :", kv.add_sequence("alice-1", prompt, cache_salt="alice"))
+print("alice, again      :", kv.add_sequence("alice-2", prompt, cache_salt="alice"))
+print("bob, same prompt  :", kv.add_sequence("bob-1", prompt, cache_salt="bob"))
+print(
+    "alice, with a LoRA:",
+    kv.add_sequence("alice-3", prompt, cache_salt="alice", adapter_id="lora-french"),
+)
+
+# %% [markdown]
+# Alice's second request reuses her three full blocks (12 tokens; the last token is always
+# computed, to get logits). Bob sends the very same tokens and gets 0: his salt is in every one
+# of his hashes. The same holds for a different adapter -- and for a different model: here is
+# the first block of that prompt, hashed for this model and for OPT, and a lookup of the OPT
+# version in this manager's cache.
+
+# %%
+salted = make_extra_keys(llm.model_name, None, "alice")
+other = make_extra_keys("facebook/opt-125m", None, "alice")
+mine, theirs = hash_block(ROOT_HASH, A, salted), hash_block(ROOT_HASH, A, other)
+print(f"this model: {mine.hex()[:16]}   OPT: {theirs.hex()[:16]}")
+print("OPT's block found in this cache:", kv.prefix_cache.lookup(theirs, ROOT_HASH, A, other))
+print("this model's block found:       ", kv.prefix_cache.lookup(mine, ROOT_HASH, A, salted))
+
+# %% [markdown]
+# ## Cold and warm: two chats with one system prompt
+#
+# Now the real thing, through `LLM` (prefix caching is on by default). Two chats start with the
+# same system prompt. The first runs on a **cold** cache: nothing to find, every prompt token is
+# computed. The second arrives after the first finished: the system prompt's blocks are free
+# but still cached, and it finds them -- a **warm** cache.
+
+# %%
+llm = LLM(env.gpt2, num_blocks=48, block_size=BLOCK_SIZE, verbose=False)
+engine, tok = llm.engine, llm.tokenizer
+SYSTEM = "System: you are a helpful assistant.\n"
+chat1 = SYSTEM + "User: what is a KV cache?"
+chat2 = SYSTEM + "User: why use blocks?"
+greedy = SamplingParams(max_tokens=4, ignore_eos=True)
+
+cold = llm.generate(chat1, greedy, use_tqdm=False)[0]
+after_cold = draw_block_pool(llm, per_row=12, title="after chat 1: its full blocks stay cached")
+warm = llm.generate(chat2, greedy, use_tqdm=False)[0]
+
+ids1, ids2 = tok.encode(chat1), tok.encode(chat2)
+common = next(i for i, (a, b) in enumerate(zip(ids1, ids2, strict=False)) if a != b)
+print(f"chat 1: {len(ids1)} prompt tokens, num_cached_tokens = {cold.num_cached_tokens} (cold)")
+print(f"chat 2: {len(ids2)} prompt tokens, num_cached_tokens = {warm.num_cached_tokens} (warm)")
+print(f"common prefix: {common} tokens = {common // BLOCK_SIZE} full blocks of {BLOCK_SIZE}")
+stats = engine.stats()
+print(
+    f"hit rate so far: {stats.prefix_hit_tokens}/{stats.prefix_query_tokens} prompt tokens "
+    f"= {stats.prefix_hit_rate:.0f}%"
+)
+display(after_cold)
+
+# %% [markdown]
+# Only *full* blocks are cached, so the hit is the common prefix rounded down to whole blocks:
+# the block where the two chats part ways holds different tokens and is computed again. The
+# grey "cached" blocks above are chat 1's blocks after it finished: free, yet holding K/V that
+# the next request can find.
+#
+# When the chats run *at the same time*, the hits are not free blocks being revived but live
+# blocks being shared: the system prompt's blocks get refcount 2. We add two new chats and stop
+# after their first step.
+
+# %%
+engine.add_request("chat-3", SYSTEM + "User: what is paging?", greedy)
+engine.add_request("chat-4", SYSTEM + "User: and eviction?", greedy)
+outs = {o.request_id: o for o in engine.step()}
+print({rid: o.num_cached_tokens for rid, o in outs.items()}, "tokens found in the cache")
+shared = draw_block_pool(llm, per_row=12, title="chats 3 and 4 share the system prompt (x2)")
+while engine.has_unfinished_requests():
+    engine.step()
+print(f"hit rate after 4 chats: {engine.stats().prefix_hit_rate:.0f}%")
+display(shared)
+
+# %% [markdown]
+# ## Eviction: least recently used first
+#
+# Cached blocks sit in the pool's free queue: empty blocks are handed out first, then cached
+# ones, **least recently freed first** (`pagedlearn/block_allocator.py`). A cache hit takes a
+# block out of the queue; when its user finishes it goes back at the end -- the most recently
+# used. We watch the trace's `cache_store` (a full block registered under its hash) and `evict`
+# (a cached block's slot taken for new data; its hash forgotten) events on a small pool.
+#
+# Three short prompts `A`, `B`, `C` run one after another (2 full blocks + 1 token each, one
+# generated token), then `A` again, which hits its two cached blocks and so *refreshes* them.
+
+# %%
+llm = LLM(env.gpt2, num_blocks=12, block_size=BLOCK_SIZE, verbose=False)
+engine, tok = llm.engine, llm.tokenizer
+stored_by, evicted = {}, []  # block -> the sequence that cached it; (block, its old owner)
+
+
+def on_event(e):
+    if e.kind == "cache_store":
+        stored_by[e.blocks[0]] = e.seqs[0]
+    elif e.kind == "evict":
+        evicted.append((e.blocks[0], stored_by.pop(e.blocks[0])))
+
+
+engine.kv.trace.subscribe(on_event)
+one_token = SamplingParams(max_tokens=1, ignore_eos=True)
+texts = {
+    "A": "Apples grow on trees in the orchard.",
+    "B": "Bananas ripen best in warm weather.",
+    "C": "Cherries are small, red and sweet.",
+}
+prompts = {name: tok.encode(t)[: 2 * BLOCK_SIZE + 1] for name, t in texts.items()}
+
+
+def run(name, prompt):
+    engine.add_request(name, prompt, one_token)
+    while engine.has_unfinished_requests():
+        (out,) = engine.step()
+    return out.num_cached_tokens
+
+
+for name in ("A", "B", "C"):
+    run(name, prompts[name])
+print("A again: cached tokens =", run("A", prompts["A"]))
+queue = engine.kv.allocator.free_queue()
+print("free queue, next to hand out first:", queue)
+print("cached blocks in LRU order:", [(b, stored_by[b]) for b in queue if b in stored_by])
+cached = engine.kv.stats()["cached_blocks"]
+draw_block_pool(llm, per_row=12, title=f"before the big request: {cached} cached blocks")
+
+# %% [markdown]
+# The free queue lists the empty blocks first, then the cached ones: `B`'s, then `C`'s, then
+# `A`'s -- `A` was used last. (Within a request the tail comes first: a sequence frees its
+# blocks last to first, because a block is worthless without its parents.) Now a request needs
+# more blocks than are empty: the allocator evicts from the front of the cached part.
+
+# %%
+n_empty = sum(1 for b in queue if b not in stored_by)
+big_text = "Dates, figs and plums dry well in the sun. " * 6  # shares no prefix with A, B, C
+big = tok.encode(big_text)[: (n_empty + 3) * BLOCK_SIZE]  # 3 blocks more than are empty
+run("D", big)
+print(f"D needed {len(big) // BLOCK_SIZE} blocks, {n_empty} were empty; evicted:", evicted)
+for name in ("A", "B", "C"):  # ask without running: a run would allocate (and evict) too
+    print(f"{name} would now find {engine.kv.cached_prefix_tokens(prompts[name])} cached tokens")
+
+# %% [markdown]
+# The evictions follow the queue: `B`'s blocks went first, then `C`'s tail block. `A`, used most
+# recently, kept both blocks and still hits 8 tokens; `C` kept only its first block (a hit of 4
+# tokens: the chain breaks where the block is missing); `B` starts over. This is vLLM's policy
+# too: LRU over free blocks, evicting a prefix's tail before its head.
+#
+# ## A shared-system-prompt workload
+#
+# A chat service sends many prompts that start with one of a few system prompts. Here are 8 chats
+# with 2 system prompts, all sent at once, on an engine with caching on and one with caching
+# off. The engine's counters give the hit rate; the step statistics give the tokens the model
+# actually computed. We record the cached run to replay it below.
+
+# %%
+SYSTEMS = [
+    "Bank assistant: answer in one short line.\n",
+    "Tutor for students: explain it simply.\n",
+]
+QUESTIONS = ["User: hi", "User: what now?", "User: help me", "User: why?"]
+chats = [s + q for s in SYSTEMS for q in QUESTIONS]
+params = SamplingParams(max_tokens=8 if env.quick else 16, ignore_eos=True)
+
+
+def serve(enable_prefix_caching, record=False):
+    """Serve ``chats`` at once; the engine's final stats, the tokens computed, the log."""
+    llm = LLM(
+        env.gpt2,
+        num_blocks=160,
+        block_size=BLOCK_SIZE,
+        enable_prefix_caching=enable_prefix_caching,
+        verbose=False,
+    )
+    log = llm.engine.record() if record else None
+    computed = []
+    llm.engine.subscribe_stats(lambda s: computed.append(s.num_batched_tokens))
+    llm.generate(chats, params, use_tqdm=False)
+    return llm.engine.stats(), sum(computed), log
+
+
+on, computed_on, log = serve(True, record=True)
+off, computed_off, _ = serve(False)
+print(
+    f"caching on : hit {on.prefix_hit_tokens}/{on.prefix_query_tokens} prompt tokens "
+    f"({on.prefix_hit_rate:.0f}%), tokens computed {computed_on}"
+)
+print(f"caching off: tokens computed {computed_off}")
+print(
+    f"caching saved {computed_off - computed_on} of {computed_off} tokens of computation "
+    f"({100 * (computed_off - computed_on) / computed_off:.0f}%)"
+)
+
+# %% [markdown]
+# The first chat of each system prompt misses; the other three find the system prompt's full
+# blocks. The memory timeline of the recorded run shows the same thing over time: blocks in use
+# while the chats run, then cached blocks once they finish.
+
+# %%
+draw_memory_timeline(log, title="8 chats, 2 system prompts (caching on)")
+
+# %% [markdown]
+# The same measure at server scale, simulated: `pagedlearn.sim.prefix` replays a home-server
+# mix where chats share 3 system prompts (100 tokens each) on the paper's OPT-13B pool, through
+# the same `KVCacheManager` with real token ids -- caching off, on from a cold cache, and warm
+# (the same traffic a second time).
+
+# %%
+for row in prefix_caching("shared-prompt", num_requests=200 if env.quick else 600):
+    print(
+        f"{row['cache']:5s} hit rate {row['hit_rate_pct']:5.1f}%  memory saved "
+        f"{row['memory_saved_pct']:4.1f}%  mean batch {row['mean_batch']:5.1f}"
+    )
+
+# %% [markdown]
+# ## Replay the run
+#
+# `log` holds every block event of the 8-chat run. `log.to_json()` turns it into a file a lab
+# can hand out; `ReplayView` takes the log, its JSON text or a path, and rebuilds the pool at
+# every step from the events alone -- no model needed. Press play or move the slider: the system
+# prompts' blocks are shared while the chats run, then stay behind as cached blocks.
+# `view.show(k)` jumps to frame `k`; `view.inspect(b)` describes block `b` in the frame shown.
+
+# %%
+view = ReplayView(log.to_json(), tokenizer=tok)
+print(f"{view.num_frames} frames\n\nframe 0:", view.inspect(0))
+view.show(view.num_frames - 1)
+print("\nlast frame:", view.inspect(0))
+view.show(0)  # back to the start: press play
+display(view)
+
+# %% [markdown]
+# ## Exercises
+#
+# 1. Give chat 2 a system prompt that differs from chat 1's in its very first token (say,
+#    `System:` -> `system:`). How many tokens does it find in the cache now, and why does a
+#    change at the start cost every block after it, even though the rest is identical?
+# 2. The engine's `add_request` takes no `cache_salt` (vLLM's requests can carry one). Find the
+#    one call in `pagedlearn/engine/scheduler.py` that would have to pass it. Then, with a
+#    `KVCacheManager` alone as in the extra-keys section, add the four chats' token ids with two
+#    different salts and check which of them hit.
+# 3. In the eviction section, run `C` again instead of `A` before the big request `D`. Predict
+#    which blocks `D` evicts and how many cached tokens `A`, `B` and `C` find afterwards, then
+#    check with the `evict` events.
+# 4. Serve the 8 chats from a pool of `num_blocks=16`, too small to run them all at once. How do
+#    the hit rate and `engine.stats().evictions` change? Why can a request preempted by
+#    recompute find its own blocks again when it comes back?

@@ -1,0 +1,485 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 05 · The paged attention kernel
+#
+# At every decode step each sequence brings one new token, and that token's query attends to
+# every key and value the sequence has cached. With PagedAttention those K/V are not in one
+# contiguous run: they sit in fixed-size *blocks* scattered over one big slab, and a *block
+# table* says where. This chapter walks from plain attention to the Triton kernel that reads
+# through the block table, one step at a time, and checks every step against the one before.
+#
+# **What you will learn**
+#
+# - how a block table and a slot mapping place a sequence's K/V in the paged cache, and how
+#   `gather_kv` reads them back in order;
+# - that paged attention is ordinary attention over gathered K/V (`paged_attention_ref`);
+# - the online softmax: a running max and a running sum that let a kernel stream K/V block by
+#   block without ever holding a whole row of scores, and flash-decoding's splits;
+# - how `kernels.paged_attention_decode` runs that loop in Triton, and why its wrapper checks
+#   the tensors before launching;
+# - the prefill/extend kernel over a prefix-cache hit, and the KV write (`write_kv`);
+# - on a GPU: what paging costs next to contiguous attention (the benchmark table).
+#
+# **What you need**
+#
+# Only the project's environment. On a CPU the Triton kernels run in Triton's *interpreter*
+# (`TRITON_INTERPRET=1`, which the first cell sets): the very same kernel code, executed one
+# program at a time with NumPy. It is slow, so the shapes stay tiny, and its times say nothing
+# about GPU speed. On a CUDA GPU the kernels are compiled, the check "at scale" uses a batch of
+# long float16 contexts, and the last section prints the benchmark table.
+
+# %%
+from pagedlearn.notebook import setup
+
+env = setup()  # on a CPU: TRITON_INTERPRET=1, before anything imports Triton
+
+# %%
+import math
+import time
+
+import torch
+import torch.nn.functional as F
+
+from pagedlearn import KVCacheManager
+from pagedlearn.attention import (
+    contiguous_attention,
+    gather_kv,
+    paged_attention_batched,
+    paged_attention_online_softmax_ref,
+    paged_attention_prefill_ref,
+    paged_attention_ref,
+    write_kv_ref,
+)
+
+torch.manual_seed(0)
+dev = env.device
+H, KVH, D = 4, 2, 16  # query heads, KV heads, head_dim: tiny, so the interpreter is quick
+
+# %% [markdown]
+# ## 1. Attention on contiguous K/V: the ground truth
+#
+# Sequence A has 10 tokens in its cache. Its new token's query has 4 heads; the cache has 2 KV
+# heads, so query heads 0-1 read KV head 0 and heads 2-3 read KV head 1 (grouped-query
+# attention, GQA). `contiguous_attention` is softmax(q kᵀ / √d) v on K/V laid out in one run.
+# We check it once against PyTorch's own `scaled_dot_product_attention`.
+
+# %%
+k_a = torch.randn(10, KVH, D, device=dev)  # (context_len, num_kv_heads, head_dim)
+v_a = torch.randn(10, KVH, D, device=dev)
+q_a = torch.randn(1, H, D, device=dev)  # (1 new token, num_heads, head_dim)
+out_a = contiguous_attention(q_a, k_a, v_a)  # (1, num_heads, head_dim)
+
+group = H // KVH  # query heads per KV head
+sdpa = F.scaled_dot_product_attention(
+    q_a.transpose(0, 1),  # (num_heads, 1, head_dim)
+    k_a.repeat_interleave(group, dim=1).transpose(0, 1),  # (num_heads, 10, head_dim)
+    v_a.repeat_interleave(group, dim=1).transpose(0, 1),
+).transpose(0, 1)
+torch.testing.assert_close(out_a, sdpa)
+print("OK: contiguous_attention == torch's scaled_dot_product_attention", tuple(out_a.shape))
+
+# %% [markdown]
+# ## 2. The same K/V in blocks
+#
+# A server does not know how long a sequence will grow, so PagedAttention gives it blocks of
+# `block_size` tokens one at a time, as it needs them. The KV-cache manager (`KVCacheManager`,
+# the same one the engine uses) decides which physical block. Two sequences share a pool of 12
+# blocks of 4 tokens: A arrives with a 6-token prompt, B with 9, then both decode 4 tokens,
+# interleaved the way the engine steps them.
+
+# %%
+BS = 4  # block_size: tokens per block
+NUM_BLOCKS = 48 // BS  # a pool of 48 token slots
+kv = KVCacheManager(num_blocks=NUM_BLOCKS, block_size=BS, enable_prefix_caching=True)
+tokens = {"A": list(range(100, 110)), "B": list(range(200, 213))}  # every token id, in order
+kv.add_sequence("A", tokens["A"][:6])  # the prompts
+kv.add_sequence("B", tokens["B"][:9])
+for _ in range(4):  # decode: one token per sequence per step; a new block on a block boundary
+    for seq in ("A", "B"):
+        kv.append_token(seq, tokens[seq][kv.num_tokens(seq)])
+for seq in ("A", "B"):
+    print(f"{seq}: {kv.num_tokens(seq)} tokens, block table {kv.block_table(seq)}")
+    print(f"   slot mapping {kv.slot_mapping(seq)}")
+
+# %% [markdown]
+# A's last block is not next to its first two: it was taken when A's 9th token arrived, after
+# B had already taken the blocks in between. A token's *slot* is
+# `block_id * block_size + offset`: that is where its key and value live in the slab.
+#
+# The slab itself is two tensors (K and V) of shape `(num_blocks, block_size, num_kv_heads,
+# head_dim)`. We fill it with NaN first: any step below that read a slot nobody wrote would
+# turn its result into NaN, and its check would fail. Then `write_kv_ref` puts each token's K/V
+# at its slot (vLLM calls this `reshape_and_cache`).
+
+# %%
+key_cache = torch.full((NUM_BLOCKS, BS, KVH, D), float("nan"), device=dev)
+value_cache = torch.full_like(key_cache, float("nan"))  # (num_blocks, block_size, KVH, D)
+k_seq = {"A": k_a, "B": torch.randn(13, KVH, D, device=dev)}  # each sequence's K, contiguous
+v_seq = {"A": v_a, "B": torch.randn(13, KVH, D, device=dev)}
+for seq in ("A", "B"):
+    slots = torch.tensor(kv.slot_mapping(seq), device=dev)  # (context_len,)
+    write_kv_ref(k_seq[seq], v_seq[seq], key_cache, value_cache, slots)
+
+written = ~key_cache[:, :, 0, 0].isnan()  # (num_blocks, block_size): which slots hold a token
+for b in range(NUM_BLOCKS):
+    print(f"block {b:2}: " + "".join("#" if w else "." for w in written[b].tolist()))
+
+# %% [markdown]
+# Kernels and references see only tensors: the caches, a padded `block_tables` tensor and the
+# `context_lens` (DESIGN.md: they know nothing of sequences, requests or the manager). Turning
+# the manager's lists into those tensors is the engine's job; rows are padded with -1, which is
+# never read because each sequence reads only the blocks its length needs.
+#
+# `gather_kv` walks one row of the table: logical token `t` is in logical block `t // 4`, which
+# the table maps to a physical block, at offset `t % 4`. It must give back exactly A's
+# contiguous K and V.
+
+
+# %%
+def as_tensors(kv, seqs):
+    """The manager's block tables and lengths as the tensors a kernel takes."""
+    tables = [kv.block_table(s) for s in seqs]
+    width = max(len(t) for t in tables)
+    block_tables = torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.int32)
+    context_lens = torch.tensor([kv.num_tokens(s) for s in seqs], dtype=torch.int32)
+    return block_tables.to(dev), context_lens.to(dev)  # (num_seqs, max_blocks), (num_seqs,)
+
+
+seqs = ["A", "B"]
+block_tables, context_lens = as_tensors(kv, seqs)
+print("block_tables =", block_tables.tolist(), " context_lens =", context_lens.tolist())
+
+k_gathered, v_gathered = gather_kv(key_cache, value_cache, block_tables[0], 10)  # (10, KVH, D)
+torch.testing.assert_close(k_gathered, k_a)
+torch.testing.assert_close(v_gathered, v_a)
+print("OK: gather_kv through A's block table gives back A's contiguous K and V")
+
+# %% [markdown]
+# ## 3. Paged attention = gather, then attend
+#
+# `paged_attention_ref` does decode for a batch: one query per sequence, gather through its
+# block table, then `contiguous_attention`. Same numbers as step 1, for every sequence.
+# `paged_attention_batched` is the same without a Python loop over sequences (one padded gather
+# and a masked softmax); it is what the engine runs for decode on a CPU.
+
+# %%
+q = torch.cat([q_a, torch.randn(1, H, D, device=dev)])  # (num_seqs, num_heads, head_dim)
+ref = paged_attention_ref(q, key_cache, value_cache, block_tables, context_lens)
+expected = torch.cat(
+    [contiguous_attention(q[i : i + 1], k_seq[s], v_seq[s]) for i, s in enumerate(seqs)]
+)
+torch.testing.assert_close(ref, expected)
+print("OK: paged_attention_ref == contiguous_attention per sequence", tuple(ref.shape))
+batched = paged_attention_batched(q, key_cache, value_cache, block_tables, context_lens)
+torch.testing.assert_close(batched, ref)
+print("OK: paged_attention_batched == paged_attention_ref")
+
+# %% [markdown]
+# ## 4. The online softmax: one block at a time
+#
+# Gathering first needs room for the whole context. A kernel cannot afford that: it streams
+# K/V through a small on-chip buffer, a tile at a time, and the softmax needs the largest score
+# of the *whole* row (to subtract it before `exp`, so nothing overflows) and the sum of all the
+# exponentials (to divide by). The trick is to keep three running values per query head:
+#
+# - `m_i`, the largest score seen so far;
+# - `l_i`, the sum of `exp(score - m_i)` so far;
+# - `acc`, the sum of `exp(score - m_i) * v` so far.
+#
+# When a new block brings a larger score, `m_i` grows and everything summed under the old one
+# is scaled by `alpha = exp(m_old - m_new)`. At the end, `acc / l_i` is the softmax-weighted sum
+# of the values. By hand, with one head, six scores in three blocks of two, and one-number values:
+
+# %%
+scores = torch.tensor([1.0, 3.0, 2.0, 5.0, 0.0, 4.0])  # one query head against 6 keys
+values = torch.tensor([10.0, 20.0, 30.0, 40.0, 50.0, 60.0])  # a 1-number "value" per key
+m_i, l_i, acc = float("-inf"), 0.0, 0.0
+for blk in range(3):
+    s, v = scores[2 * blk : 2 * blk + 2], values[2 * blk : 2 * blk + 2]  # this block only
+    m_new = max(m_i, s.max().item())
+    alpha = math.exp(m_i - m_new)  # 0 on the first block (m_i = -inf)
+    p = torch.exp(s - m_new)
+    l_i, acc, m_i = l_i * alpha + p.sum().item(), acc * alpha + (p * v).sum().item(), m_new
+    print(f"block {blk}: scores {s.tolist()} -> m_i={m_i:.0f} alpha={alpha:.4f} "
+          f"l_i={l_i:.4f} acc={acc:.3f}")  # fmt: skip
+whole_row = (torch.softmax(scores, dim=0) * values).sum().item()
+print(f"acc / l_i = {acc / l_i:.4f}; softmax of the whole row, weighted sum = {whole_row:.4f}")
+assert math.isclose(acc / l_i, whole_row, rel_tol=1e-6)
+print("OK: the running max / sum gives the whole-row softmax")
+
+# %% [markdown]
+# `paged_attention_online_softmax_ref` runs exactly this loop over the paged cache, block by
+# block through the block table, for every sequence and head. With `num_splits > 1` it is
+# *flash-decoding*: the blocks of a context are cut into slices that run independently (on a
+# GPU, in parallel, which helps a small batch with long contexts), each ending with its own
+# `(m_i, l_i, acc)`, merged exactly at the end.
+
+# %%
+online = paged_attention_online_softmax_ref(q, key_cache, value_cache, block_tables, context_lens)
+torch.testing.assert_close(online, ref)
+print("OK: online softmax, block by block == paged_attention_ref")
+split = paged_attention_online_softmax_ref(
+    q, key_cache, value_cache, block_tables, context_lens, num_splits=2
+)
+torch.testing.assert_close(split, ref)
+print("OK: two splits merged (flash-decoding) == paged_attention_ref")
+
+# %% [markdown]
+# ## 5. The Triton decode kernel
+#
+# `kernels.paged_attention_decode` takes the same arguments as `paged_attention_ref` and gives
+# the same result. One *program* (a GPU thread block) handles one (sequence, KV head, split);
+# it loads the query heads that share that KV head, then walks the context a tile of tokens at
+# a time: for each token, look up its physical block in the block table, load K, score, update
+# the running max / sum / accumulator, load V, accumulate. On this machine it runs in the
+# interpreter (see the first cell's line).
+
+# %%
+import kernels  # after setup(): Triton must see TRITON_INTERPRET first
+from kernels import paged_attention_decode
+
+out = paged_attention_decode(q, key_cache, value_cache, block_tables, context_lens)
+torch.testing.assert_close(out, ref)
+print("OK: Triton paged_attention_decode == paged_attention_ref")
+out2 = paged_attention_decode(q, key_cache, value_cache, block_tables, context_lens, num_splits=2)
+torch.testing.assert_close(out2, ref)
+print("OK: ... with num_splits=2 (flash-decoding, then a second kernel merges the splits)")
+print(f"grid: {len(seqs)} sequences x {KVH} KV heads x num_splits programs")
+
+# %% [markdown]
+# Hold the kernel's inner loop next to step 4: it is the same update, on tiles of tokens that
+# may span several blocks (`pos // BLOCK_SIZE` picks each token's logical block), with masked
+# loads so that nothing past a sequence's length is read. This is the loop, as it is in the file:
+
+# %%
+import inspect
+
+from kernels import decode_attention
+
+lines = inspect.getsource(decode_attention).splitlines()
+first = next(i for i, line in enumerate(lines) if "for tile_start in range(start" in line)
+last = next(i for i in range(first, len(lines)) if lines[i].strip() == "m_i = m_new")
+print("\n".join(lines[first : last + 1]))
+
+# %% [markdown]
+# **The files.** Each kernel file in `kernels/` holds three things: the `@triton.jit` kernel;
+# its Python wrapper, which checks every argument and launches the grid; and the name of the
+# pure-PyTorch reference the tests compare it to (`reference`). `backend.py` decides where
+# kernels run (a GPU, or the CPU interpreter) and the tile sizes.
+
+# %%
+import sys
+from pathlib import Path
+
+for name in ("paged_attention_decode", "paged_attention_prefill", "write_kv"):
+    module = sys.modules[getattr(kernels, name).__module__]
+    print(
+        f"kernels.{name:24} {Path(module.__file__).name:22} checked against "
+        f"pagedlearn.attention.{module.reference.__name__}"
+    )
+
+# %% [markdown]
+# Why does the wrapper check so much? A kernel cannot raise: an index past the end of a tensor
+# reads whatever memory is there, or crashes the process far from the mistake. So the wrapper
+# refuses bad tensors before launch, with an error naming the argument. Here, 3 query heads
+# cannot share 2 KV heads:
+
+# %%
+from pagedlearn.errors import AttentionInputError
+
+try:
+    paged_attention_decode(q[:, :3], key_cache, value_cache, block_tables, context_lens)
+except AttentionInputError as e:
+    print("AttentionInputError:", e)
+
+# %% [markdown]
+# **Timing, honestly.** In the interpreter each program runs in Python and NumPy, so on a CPU
+# the kernel is much *slower* than the PyTorch reference, whatever the shapes. On a GPU it is
+# compiled, and only there do its times mean something. Wall-clock times of the tiny case,
+# best of a few runs (on a busy machine single runs vary a lot):
+
+
+# %%
+def best_seconds(fn, repeat=3):
+    """Best wall-clock time of ``fn()`` over a few runs, after one warm-up (compiles on a GPU)."""
+    fn()
+    times = []
+    for _ in range(repeat):
+        if env.gpu:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if env.gpu:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+args = (q, key_cache, value_cache, block_tables, context_lens)
+t_ref = best_seconds(lambda: paged_attention_ref(*args), repeat=5)
+t_kernel = best_seconds(lambda: paged_attention_decode(*args), repeat=5)
+where = "compiled on the GPU" if env.gpu else "in the Triton interpreter"
+print(f"paged_attention_ref: {t_ref * 1e3:.2f} ms   paged_attention_decode ({where}): "
+      f"{t_kernel * 1e3:.2f} ms")  # fmt: skip
+
+# %% [markdown]
+# ## 6. Prefill over a prefix-cache hit, and the KV write
+#
+# A new request C starts with the same 8 tokens as A, then 3 of its own. The manager has
+# prefix caching on, so C's first two blocks are A's full blocks, shared (refcount 2): their
+# K/V are not recomputed. Only C's 3 new tokens are *queries*; they attend to the 8 cached keys
+# and, causally, to each other. A fourth request D is a fresh 5-token prompt, packed into the
+# same call: the queries of all sequences sit in one tensor, and `cu_seqlens_q` (the running
+# sum of query lengths) says which rows belong to whom.
+
+# %%
+tokens["C"] = [*tokens["A"][:8], 300, 301, 302]
+tokens["D"] = [400, 401, 402, 403, 404]
+cached = {s: kv.add_sequence(s, tokens[s]) for s in ("C", "D")}  # prompt tokens found cached
+for s in ("C", "D"):
+    print(f"{s}: block table {kv.block_table(s)}, {cached[s]} prompt tokens from the cache")
+print("A's block table:", kv.block_table("A"))
+
+# %% [markdown]
+# First the KV write. The new tokens' K/V go to their slots (the slot mapping's tail; the
+# cached prefix is already there). The Triton `write_kv` does it into the real cache, the
+# reference into a copy, and the two caches must be equal, NaN in the same unused slots.
+
+# %%
+from kernels import paged_attention_prefill, write_kv
+
+new = {"C": 3, "D": 5}  # new tokens per sequence
+k_new = {s: torch.randn(n, KVH, D, device=dev) for s, n in new.items()}  # (n, KVH, D)
+v_new = {s: torch.randn(n, KVH, D, device=dev) for s, n in new.items()}
+slots = torch.tensor([x for s in new for x in kv.slot_mapping(s)[-new[s] :]], device=dev)
+k_packed, v_packed = torch.cat(list(k_new.values())), torch.cat(list(v_new.values()))
+
+key_copy, value_copy = key_cache.clone(), value_cache.clone()
+write_kv_ref(k_packed, v_packed, key_copy, value_copy, slots)
+write_kv(k_packed, v_packed, key_cache, value_cache, slots)  # Triton, into the real cache
+torch.testing.assert_close(key_cache, key_copy, equal_nan=True)
+torch.testing.assert_close(value_cache, value_copy, equal_nan=True)
+print("OK: Triton write_kv == write_kv_ref, slots", slots.tolist())
+
+# %% [markdown]
+# Then prefill attention: the Triton kernel, the reference, and plain causal attention over
+# C's full contiguous K/V (A's first 8 tokens, then C's 3 new ones) must all agree.
+
+# %%
+pre_seqs = ["C", "D"]
+pre_tables, pre_lens = as_tensors(kv, pre_seqs)
+q_pre = torch.randn(sum(new.values()), H, D, device=dev)  # (total new tokens, num_heads, D)
+cu_seqlens_q = torch.tensor([0, new["C"], new["C"] + new["D"]], dtype=torch.int32, device=dev)
+
+pre_ref = paged_attention_prefill_ref(
+    q_pre, key_cache, value_cache, pre_tables, cu_seqlens_q, pre_lens
+)
+k_c, v_c = torch.cat([k_a[:8], k_new["C"]]), torch.cat([v_a[:8], v_new["C"]])  # (11, KVH, D)
+torch.testing.assert_close(pre_ref[:3], contiguous_attention(q_pre[:3], k_c, v_c, causal=True))
+torch.testing.assert_close(pre_ref[3:], contiguous_attention(q_pre[3:], k_new["D"], v_new["D"]))
+print("OK: paged_attention_prefill_ref == causal contiguous attention (C over A's cached prefix)")
+pre_out = paged_attention_prefill(q_pre, key_cache, value_cache, pre_tables, cu_seqlens_q, pre_lens)
+torch.testing.assert_close(pre_out, pre_ref)
+print("OK: Triton paged_attention_prefill == paged_attention_prefill_ref", tuple(pre_out.shape))
+
+# %% [markdown]
+# ## 7. At scale
+#
+# A bigger batch, built the same way: the manager hands out blocks as every sequence grows one
+# token per step, so each sequence's blocks are interleaved with everyone else's. On a CPU this
+# stays small (the interpreter); on a GPU it is a batch of long float16 contexts with GPU-sized
+# heads.
+
+# %%
+if env.quick:
+    num_seqs, max_len, big = 6, 120, dict(block_size=16, heads=(8, 2, 32), dtype=torch.float32)
+else:
+    num_seqs, max_len, big = 64, 4096, dict(block_size=16, heads=(32, 8, 128), dtype=torch.float16)
+lens = torch.randint(max_len // 4, max_len + 1, (num_seqs,)).tolist()
+bs, (h, kvh, d) = big["block_size"], big["heads"]
+pool = KVCacheManager(num_blocks=sum(-(-n // bs) for n in lens), block_size=bs)
+for i in range(num_seqs):
+    pool.add_sequence(i, [0])
+for t in range(1, max(lens)):  # one decode step: every sequence still growing gets a token
+    for i in range(num_seqs):
+        if t < lens[i]:
+            pool.append_token(i, 0)
+big_tables, big_lens = as_tensors(pool, list(range(num_seqs)))
+cache_shape = (pool.allocator.num_blocks, bs, kvh, d)  # (num_blocks, block_size, KVH, D)
+big_k = torch.randn(cache_shape, dtype=big["dtype"], device=dev)
+big_v = torch.randn(cache_shape, dtype=big["dtype"], device=dev)
+big_q = torch.randn(num_seqs, h, d, dtype=big["dtype"], device=dev)
+print(f"{num_seqs} sequences of {min(lens)}-{max(lens)} tokens, {h} heads / {kvh} KV heads, "
+      f"head_dim {d}, {big['dtype']}")  # fmt: skip
+print("sequence 0's first blocks:", pool.block_table(0)[:6])
+
+big_args = (big_q, big_k, big_v, big_tables, big_lens)
+big_ref = paged_attention_ref(*big_args)
+tol = 1e-5 if big["dtype"] == torch.float32 else 1e-2  # fp16 rounds the output
+torch.testing.assert_close(
+    paged_attention_decode(*big_args).float(), big_ref.float(), atol=tol, rtol=tol
+)
+print("OK: paged_attention_decode == paged_attention_ref at this size")
+t_ref = best_seconds(lambda: paged_attention_ref(*big_args), repeat=3 if env.quick else 10)
+t_kernel = best_seconds(lambda: paged_attention_decode(*big_args), repeat=3 if env.quick else 10)
+print(f"paged_attention_ref: {t_ref * 1e3:.1f} ms   paged_attention_decode ({where}): "
+      f"{t_kernel * 1e3:.1f} ms")  # fmt: skip
+
+# %% [markdown]
+# ## 8. The benchmark table (GPU)
+#
+# Decode reads every cached K and V once and does little arithmetic with them, so memory
+# bandwidth is its speed limit. `benchmarks/bench_attention.py` times the kernel for a few
+# batch sizes and context lengths and prints its bandwidth (bytes of K/V, q and output divided
+# by time, formula printed with the table) as a fraction of the GPU's measured copy bandwidth,
+# and its time next to PyTorch's `scaled_dot_product_attention` on the same K/V laid out
+# contiguously: the price of paging, which the paper puts at 20-26% in kernel latency.
+# Here it runs with `--quick` (fewer rows) and `--no-flex` (no FlexAttention column: it compiles
+# FlexAttention for every row, which takes longer than all the rest).
+
+# %%
+import subprocess
+
+if env.gpu:
+    bench = subprocess.run(
+        [sys.executable, "../benchmarks/bench_attention.py", "--quick", "--no-flex"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    print(bench.stdout, bench.stderr[-2000:] if bench.returncode else "")
+else:
+    print(
+        "The benchmark table needs a CUDA GPU (the interpreter's times say nothing about GPU "
+        "speed). On a GPU machine, run this notebook again, or from the repository root: "
+        "`make bench`, or `python benchmarks/bench_attention.py --quick`."
+    )
+
+# %% [markdown]
+# ## Exercises
+#
+# 1. In section 2, change `BS` to 1 and then to 8, and run everything again. How do the block
+#    tables and slot mappings change, and do all the checks still pass? Count the empty slots
+#    (`.`) in the map of the pool: how much does each block size waste, and where?
+# 2. In the worked example of section 4, put the largest score in the *first* block instead of
+#    the second. Which `alpha` values change, and why does the result not?
+# 3. Call `paged_attention_decode` with `num_splits` from 1 to 8 on the section 7 batch and
+#    check each against `big_ref`. On a GPU, time them with `best_seconds`: when do splits
+#    help? (Read `suggest_num_splits` in `kernels/decode_attention.py`.)
+# 4. After section 6, use `write_kv` to write random K/V (shape `(1, KVH, D)`) into the last
+#    slot of the pool, which no sequence owns, and rerun the checks of section 3. Why does
+#    nothing change? Now write into one of A's slots (see its slot mapping): which checks fail?
