@@ -6,6 +6,7 @@ the pool holds 12 GiB / 800 KiB = 15,728 token slots ("15.7K"). Each experiment 
 table (a list of dicts, one per row) with the paper's number beside ours.
 """
 
+import os
 from functools import lru_cache
 
 from pagedlearn.sim.simulator import ContiguousMemory, PagedMemory, simulate
@@ -225,6 +226,17 @@ def report(quick: bool = False, out=print, figures_dir=None) -> list:
     caching = prefix.experiment(quick)
     out("\nPrefix caching -- hit rate, memory saved by sharing, batch (not in the paper)")
     out(format_rows(caching))
+    from pagedlearn.sim import swap_recompute
+
+    fig19 = swap_recompute.figure19(quick)
+    model = "tiny-gpt2" if quick else swap_recompute.GPT2_SIZE_RANDOM
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    out(
+        f"\nFigure 19 -- swap vs recompute of 512 tokens of {model}, measured on this machine "
+        f"(ms; load average {load:.1f}: other work on the cores inflates these)"
+    )
+    out(format_rows(fig19, digits=3))
+    out(swap_recompute.PAPER_FIG19)
     if figures_dir is None:
         return []
     from pagedlearn.sim import plots
@@ -236,6 +248,7 @@ def report(quick: bool = False, out=print, figures_dir=None) -> list:
         "paper_fig18b_block_size": plots.plot_figure18b(fig18b),
         "paper_spread_sensitivity": plots.plot_sensitivity(sensitivity),
         "prefix_caching": plots.plot_prefix_caching(caching),
+        "paper_fig19_swap_recompute": swap_recompute.plot_figure19(fig19),
     }
     paths = plots.save_all(figures, figures_dir)
     out("\nfigures: " + ", ".join(str(p) for p in paths))
