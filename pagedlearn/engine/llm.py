@@ -15,6 +15,11 @@ How big is the cache? Either ``num_blocks`` blocks of ``block_size`` tokens, or 
 given: on a GPU, 40% of its free memory; on a CPU, 256 MiB -- in both cases no more than
 ``max_num_seqs`` full-length sequences need. The constructor prints the bytes per token and the
 resulting capacity.
+
+``kv_reservation="max"`` turns the same engine into the baseline the paper compares against: each
+request reserves the blocks of ``prompt + max_tokens`` (per sequence) when it is admitted, as
+Orca (Max) does, instead of taking blocks as its tokens arrive (see
+:mod:`pagedlearn.engine.scheduler`). ``benchmarks/bench_memory_bound.py`` runs both on one budget.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import torch
 from pagedlearn.engine.llm_engine import LLMEngine, RequestRejectedError
 from pagedlearn.engine.request import RequestOutput
 from pagedlearn.engine.sampling_params import BeamSearchParams, SamplingParams
-from pagedlearn.engine.scheduler import PREEMPTION_MODES
+from pagedlearn.engine.scheduler import KV_RESERVATIONS, PREEMPTION_MODES
 from pagedlearn.errors import KernelUnavailableError, PagedLearnError
 from pagedlearn.kv_cache import KVCache
 from pagedlearn.kv_cache_manager import KVCacheManager
@@ -48,6 +53,14 @@ class LLM:
     as the device pool when ``preemption_mode="swap"``, else none). ``max_num_batched_tokens``:
     the tokens one step may compute; with ``enable_chunked_prefill`` a longer prompt is
     prefilled over several steps (see :mod:`pagedlearn.engine.scheduler`).
+
+    ``kv_reservation``: "paged" (vLLM: a block is taken when a token needs it) or "max" (Orca
+    (Max)-style baseline: a request is admitted only when the pool can set aside, for each of its
+    ``n`` sequences or beams, the blocks of ``prompt + max_tokens`` tokens, capped at the
+    model's length; they stay reserved until it finishes, so it never needs preemption). "max"
+    reserves *blocks*, not one contiguous run, so it has no external fragmentation: an optimistic
+    upper bound for a reservation system. A request whose reservation exceeds the whole pool is
+    rejected, like a prompt larger than the pool (``generate`` returns it with ``error`` set).
 
     The model's attention implementation is switched to ``"pagedlearn"`` (see
     :mod:`pagedlearn.models.paged_attention`); switch it back with
@@ -71,11 +84,13 @@ class LLM:
         max_num_seqs: int = 64,
         max_num_batched_tokens: int | None = None,
         enable_chunked_prefill: bool = True,
+        kv_reservation: str = "paged",
         verbose: bool = True,
     ) -> None:
         from pagedlearn.models import LoadedModel, load
 
         _check_choice("preemption_mode", preemption_mode, PREEMPTION_MODES)
+        _check_choice("kv_reservation", kv_reservation, KV_RESERVATIONS)
         _check_choice("attention_backend", attention_backend, ("auto", "triton", "torch"))
         _check_positive("block_size", block_size)
         _check_positive("max_num_seqs", max_num_seqs)
@@ -133,6 +148,7 @@ class LLM:
             max_num_batched_tokens,
             preemption_mode,
             enable_chunked_prefill,
+            kv_reservation,
         )
         self.model_name, self.device, self.attention_backend = loaded.name, dev, backend
         self.offline_stand_in = loaded.offline_stand_in
@@ -144,6 +160,7 @@ class LLM:
                 f"  {num_blocks} blocks x {block_size} tokens = {cache.num_tokens:,} tokens "
                 f"({cache.nbytes / 2**20:.1f} MiB)"
                 + (f"; swap pool {swap_blocks} blocks" if swap_blocks else "")
+                + ("; max-length reservation" if kv_reservation == "max" else "")
             )
 
     @property

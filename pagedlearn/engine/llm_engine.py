@@ -62,12 +62,19 @@ class LLMEngine:
         max_num_batched_tokens: int,
         preemption_mode: str,
         chunked_prefill: bool = True,
+        kv_reservation: str = "paged",
     ) -> None:
         self.model, self.tokenizer = model, tokenizer
         self.kv, self.kv_cache, self.runner = kv, kv_cache, runner
         self.max_model_len = max_model_len
         self.scheduler = Scheduler(
-            kv, max_num_seqs, max_num_batched_tokens, preemption_mode, chunked_prefill
+            kv,
+            max_num_seqs,
+            max_num_batched_tokens,
+            preemption_mode,
+            chunked_prefill,
+            kv_reservation,
+            max_model_len,
         )
         self.sampler = Sampler()
         self.eos_token_id = getattr(tokenizer, "eos_token_id", None)
@@ -87,7 +94,8 @@ class LLMEngine:
         params: SamplingParams | BeamSearchParams | None = None,
     ) -> None:
         """Queue a request. Raises :class:`RequestRejectedError` (queueing nothing) if it can
-        never be served: an empty or over-long prompt, or one larger than the whole pool."""
+        never be served: an empty or over-long prompt, or one larger than the whole pool (with
+        ``kv_reservation="max"``: one whose reservation is larger than the whole pool)."""
         rid = str(request_id)
         params = params if params is not None else SamplingParams()
         if not isinstance(params, (SamplingParams, BeamSearchParams)):
@@ -106,6 +114,12 @@ class LLMEngine:
         elif -(-n // bs) > pool:
             why = (
                 f"its prompt needs {-(-n // bs)} blocks of {bs} tokens, more than the whole "
+                f"pool of {pool}"
+            )
+        elif (reserve := self.scheduler.reserved_blocks(n, params)) > pool:
+            why = (
+                f"kv_reservation='max' reserves {params.n} x blocks for min(prompt + max_tokens, "
+                f"{self.max_model_len}) = {reserve} blocks of {bs} tokens, more than the whole "
                 f"pool of {pool}"
             )
         elif n > self.scheduler.max_num_batched_tokens and not self.scheduler.chunked_prefill:

@@ -32,6 +32,17 @@ last token. The first chunk starts after the prompt's cached prefix, which costs
 
 A request that can never fit -- it needs more blocks than the whole pool, even alone -- is failed
 with an error for that request alone; the others go on.
+
+**Max-length reservation** (``kv_reservation="max"``, a baseline to compare paging against): the
+scheduler behaves like Orca (Max) in the paper's section 2.3. A waiting request is admitted only
+if the pool can hold, for each of its ``n`` sequences (samples or beams: no sharing assumed), the
+blocks of ``prompt + max_tokens`` tokens (capped at the model's length), *on top of* what every
+running request's reservation has not allocated yet; those blocks stay promised to it until it
+finishes. Blocks are still allocated one at a time by the same manager, so the model and the
+attention read exactly the same block tables -- but since every block a request can ever need is
+set aside, a running request never has to be preempted. It reserves *blocks*, not one contiguous
+run of memory, so it has no external fragmentation (the simulator's buddy-allocator baselines in
+:mod:`pagedlearn.sim.simulator` model that): an optimistic upper bound for a reservation system.
 """
 
 from __future__ import annotations
@@ -40,10 +51,11 @@ import bisect
 from dataclasses import dataclass, field
 
 from pagedlearn.engine.request import Request, RequestStatus, Sequence
-from pagedlearn.errors import OutOfBlocksError
+from pagedlearn.errors import OutOfBlocksError, PagedLearnError
 from pagedlearn.kv_cache_manager import KVCacheManager
 
 PREEMPTION_MODES = ("recompute", "swap")
+KV_RESERVATIONS = ("paged", "max")  # paging (vLLM) or max-length reservation (Orca (Max))
 
 
 @dataclass
@@ -84,7 +96,14 @@ class Scheduler:
         max_num_batched_tokens: int,
         preemption_mode: str = "recompute",
         chunked_prefill: bool = True,
+        kv_reservation: str = "paged",
+        max_model_len: int | None = None,
     ) -> None:
+        if kv_reservation not in KV_RESERVATIONS:
+            raise PagedLearnError(
+                f"kv_reservation must be one of {KV_RESERVATIONS}, got {kv_reservation!r}"
+            )
+        self.kv_reservation, self.max_model_len = kv_reservation, max_model_len
         self.kv = kv
         self.chunked_prefill = chunked_prefill
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
@@ -156,7 +175,7 @@ class Scheduler:
         while self.swapped:
             req = self.swapped[0]
             ids = req.seq_ids
-            if not self._fits_budgets(req, len(ids), out):
+            if not self._fits_budgets(req, len(ids), out) or not self._fits_reservation(req):
                 return
             alone = not self.running
             # Room for the copies back plus, to be safe, one new block per sequence to append.
@@ -199,12 +218,49 @@ class Scheduler:
             alone = not self.running
             chunk = self._first_chunk(req, out)  # all of the prompt without chunking
             blocks = -(-chunk // bs) if len(req.seqs) == 1 else total  # ignoring cache hits
-            if not alone and blocks + self.watermark > kv.num_free_blocks:
+            if self.kv_reservation == "max":  # its whole reservation, not just the prompt
+                if not self._fits_reservation(req):
+                    return
+            elif not alone and blocks + self.watermark > kv.num_free_blocks:
                 return
             if not self._admit(req, out, chunk):
                 return
             self.waiting.pop(0)
             self._enqueue(self.running, req, RequestStatus.RUNNING)
+
+    # --- max-length reservation ------------------------------------------------------------------
+    def reserved_blocks(self, num_prompt_tokens: int, params) -> int:
+        """Blocks a request reserves for its whole life under ``kv_reservation="max"``: for each
+        of its ``params.n`` sequences, the blocks of ``prompt + max_tokens`` tokens, capped at the
+        model's length (0 under paging, which reserves nothing). ``LLMEngine.add_request``
+        rejects a request whose reservation is larger than the whole pool: it could never start."""
+        if self.kv_reservation != "max":
+            return 0
+        tokens = num_prompt_tokens + params.max_tokens
+        if self.max_model_len is not None:
+            tokens = min(tokens, self.max_model_len)
+        return params.n * -(-tokens // self.kv.block_size)
+
+    def _reservation_of(self, req: Request) -> int:
+        return self.reserved_blocks(len(req.prompt_token_ids), req.params)
+
+    def unreserved_blocks(self) -> int:
+        """Free blocks that no running request's reservation has promised: the pool's free
+        blocks minus, for each running request, its reservation less the distinct blocks it holds
+        now (a copy-on-write copy adds a block without growing a block table, so count blocks,
+        not table entries). A prefix-cache block shared by two requests counts for both; the
+        preemption path stays as a safety net. Under paging: just the free blocks."""
+        owed = 0
+        for r in self.running:
+            held = {b for s in r.seqs if s.seq_id in self.kv for b in self.kv.block_table(s.seq_id)}
+            owed += max(0, self._reservation_of(r) - len(held))
+        return self.kv.num_free_blocks - owed
+
+    def _fits_reservation(self, req: Request) -> bool:
+        """Max-length reservation: can ``req``'s whole reservation be set aside now?"""
+        if self.kv_reservation != "max":
+            return True
+        return self._reservation_of(req) <= self.unreserved_blocks()
 
     # --- helpers ---------------------------------------------------------------------------------
     def _fits_budgets(self, req: Request, num_seqs: int, out: SchedulerOutput) -> bool:
