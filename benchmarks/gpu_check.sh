@@ -25,4 +25,7 @@ $PY -m pagedlearn demo --model tiny-gpt2 | tail -12 || status=1
 $PY benchmarks/bench_attention.py "$@"
 $PY benchmarks/bench_engine.py --model gpt2-size-random
 $PY benchmarks/bench_engine.py --model gpt2-size-random --num-prompts 128 --max-tokens 128
+$PY benchmarks/bench_memory_bound.py --model gpt2-size-random --device cuda
+$PY -c "from pagedlearn.sim.swap_recompute import measure, GPT2_SIZE_RANDOM as M, FIELDS
+for r in measure(model=M, device='cuda'): print({k: r[k] for k in FIELDS})"
 exit $status
