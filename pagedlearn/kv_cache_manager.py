@@ -329,7 +329,7 @@ class KVCacheManager:
         """Emit a ``step`` event: a frame for replays and live views, with every sequence's
         token count, its new tokens since the last mark, and ``info`` (JSON-able values).
         The engine marks after each step; a lab driving the manager by hand may mark too."""
-        self._marker.mark(self, **info)
+        self._marker.mark(self.trace, {**self._tables, **self._swapped}, info)
 
     def check_invariants(self) -> None:
         """Raise :class:`PagedLearnError` naming the first broken invariant (see invariants.py)."""

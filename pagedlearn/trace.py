@@ -85,6 +85,7 @@ class Trace:
     def __init__(self) -> None:
         self._subscribers: list[Subscriber] = []
         self._next_index = 0
+        self.num_subscriptions = 0  # ever made: tells a StepMarker that a new listener arrived
 
     @property
     def listening(self) -> bool:
@@ -93,6 +94,7 @@ class Trace:
     def subscribe(self, fn: Subscriber) -> Callable[[], None]:
         """Call ``fn(event)`` for every future event; returns a function that unsubscribes."""
         self._subscribers.append(fn)
+        self.num_subscriptions += 1
         return lambda: self._subscribers.remove(fn) if fn in self._subscribers else None
 
     def emit(self, kind: str, blocks: Iterable[int], seqs: Iterable[Hashable] = (), **info) -> None:
@@ -205,12 +207,17 @@ class PoolReplay:
         elif e.kind == "preempt":
             pass  # why blocks moved; the free or swap_out events around it say how
         elif e.kind == "step":
-            # Token lists only grow while a sequence lives, so a mark sends what is new; a
-            # sequence absent at a mark is forgotten (on both sides) and is sent whole again.
-            new = {s: toks for s, toks in e.info["new_tokens"]}
-            self.tokens = {
-                s: self.tokens.get(s, []) + new.get(s, []) for s, _ in e.info["num_tokens"]
-            }
+            # Each entry is (sequence, position, tokens): its tokens from that position on. The
+            # sequences absent from ``num_tokens`` are gone, and are forgotten here too.
+            tokens = {s: self.tokens.get(s, []) for s, _ in e.info["num_tokens"]}
+            for s, start, new in e.info["new_tokens"]:
+                if start > len(tokens[s]):
+                    raise ValueError(
+                        f"step event {e.index} sends {s!r}'s tokens from position {start}, but "
+                        f"the replay holds only {len(tokens[s])} of them"
+                    )
+                tokens[s] = tokens[s][:start] + list(new)
+            self.tokens = tokens
             self.step_info = {
                 k: v for k, v in e.info.items() if k not in ("num_tokens", "new_tokens")
             }
@@ -231,25 +238,32 @@ class PoolReplay:
 class StepMarker:
     """Emits ``step`` events for a manager (``kv.mark_step(**info)`` calls it).
 
-    A step event lists every sequence's token count (GPU and swapped) and only the tokens each
-    gained since the previous mark, so that a long recorded run stays small. Costs nothing when
-    nobody listens.
+    A step event lists every sequence's token count (GPU and swapped) and, to keep a long
+    recorded run small, only the tokens each gained since the previous mark: entries
+    ``[seq, position, tokens]``. A sequence is sent whole (from position 0) the first time a
+    mark sees it, when it is a new life under an old id (a new block table: finished, then added
+    again), and after anyone subscribes to the trace (a new listener has seen nothing yet).
     """
 
     def __init__(self) -> None:
-        self._sent: dict[Hashable, int] = {}  # tokens already sent, per sequence present at a mark
+        # per sequence at the last mark: (its block table, how many of its tokens were sent)
+        self._sent: dict[Hashable, tuple[Any, int]] = {}
+        self._subscriptions = 0  # the trace's count at the last mark
 
-    def mark(self, kv, **info) -> None:
-        if not kv.trace.listening:
-            self._sent = {}  # a listener arriving later gets whole token lists
+    def mark(self, trace: Trace, tables: dict, info: dict[str, Any]) -> None:
+        """``tables``: sequence id -> its BlockTable (``.token_ids``), GPU ones first."""
+        if not trace.listening:
             return
+        if trace.num_subscriptions != self._subscriptions:
+            self._sent, self._subscriptions = {}, trace.num_subscriptions
         counts, new, sent = [], [], {}
-        for s in kv.sequences() + kv.swapped_sequences():
-            tokens = kv.token_ids(s)
-            k = self._sent.get(s, 0)
+        for s, table in tables.items():
+            tokens = table.token_ids
+            known, k = self._sent.get(s, (None, 0))
+            k = k if known is table else 0
             counts.append([s, len(tokens)])
-            if len(tokens) > k:
-                new.append([s, tokens[k:]])
-            sent[s] = len(tokens)
+            if len(tokens) > k or known is not table:  # new tokens, or a new life
+                new.append([s, k, tokens[k:]])
+            sent[s] = (table, len(tokens))
         self._sent = sent
-        kv.trace.emit("step", (), (), num_tokens=counts, new_tokens=new, **info)
+        trace.emit("step", (), (), num_tokens=counts, new_tokens=new, **info)

@@ -55,8 +55,8 @@ def test_a_manager_session_replays_frame_by_frame():
 def test_step_events_send_only_new_tokens():
     _, log = _manager_session()
     steps = [e for e in log.events if e.kind == "step"]
-    assert steps[0].info["new_tokens"] == [["a", [1, 2, 3, 4, 5, 6]]]
-    assert steps[1].info["new_tokens"] == [["b", [1, 2, 3, 4, 5, 6, 9]]]  # new to the marker
+    assert steps[0].info["new_tokens"] == [["a", 0, [1, 2, 3, 4, 5, 6]]]
+    assert steps[1].info["new_tokens"] == [["b", 0, [1, 2, 3, 4, 5, 6, 9]]]  # new to the marker
     assert steps[2].info["new_tokens"] == [] and steps[2].info["num_tokens"] == [["b", 7]]
 
 
@@ -66,7 +66,32 @@ def test_marking_without_a_listener_costs_nothing_and_later_listeners_get_whole_
     kv.mark_step()  # nobody listens: no event, nothing remembered
     log = kv.record()
     kv.mark_step()
-    assert log.events[-1].info["new_tokens"] == [["a", [1, 2, 3]]]
+    assert log.events[-1].info["new_tokens"] == [["a", 0, [1, 2, 3]]]
+    kv.append_token("a", 4)
+    kv.mark_step()
+    assert log.events[-1].info["new_tokens"] == [["a", 3, [4]]]
+
+
+def test_a_new_recording_or_a_reused_id_gets_whole_token_lists():
+    kv = KVCacheManager(num_blocks=8, block_size=2)
+    first = kv.record()
+    kv.add_sequence("a", [1, 2, 3])
+    kv.mark_step()
+    first.close()
+    kv.free_sequence("a")
+    kv.add_sequence("a", [7, 8])  # the same id, a new sequence: nobody listened in between
+    second = kv.record()
+    kv.mark_step()
+    assert second.events[-1].info["new_tokens"] == [["a", 0, [7, 8]]]
+    kv = KVCacheManager(num_blocks=8, block_size=2)
+    log = kv.record()  # and with a listener throughout, a new life is sent whole too
+    kv.add_sequence("a", [1, 2, 3])
+    kv.mark_step()
+    kv.free_sequence("a")
+    kv.add_sequence("a", [5, 6, 9])
+    kv.mark_step()
+    assert log.events[-1].info["new_tokens"] == [["a", 0, [5, 6, 9]]]
+    assert replay_states(log)[-1][1] == pool_state(kv, {})
 
 
 def test_live_and_replayed_states_are_equal_at_every_step_of_an_engine_run():
