@@ -20,7 +20,7 @@ findable prefix until it is evicted) and the tokens it holds.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterator
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,12 +87,6 @@ class PoolState:
             if seq_id in r.seqs:
                 return r.request_id
         return _request_of(seq_id)
-
-    def blocks_of(self, seq_id: Hashable) -> tuple[int, ...]:
-        return self.tables.get(seq_id, ())
-
-    def __iter__(self) -> Iterator[BlockState]:
-        return iter(self.blocks)
 
 
 def _request_of(seq_id: Hashable) -> Hashable:
