@@ -207,7 +207,7 @@ class LLMEngine:
         # plus the Python after the forward (sampling, stop checks, forks and frees).
         post = (t4 - t3) if sched.scheduled else (t4 - t1)
         self._publish(sched, t4 - t0, forward_time, (t1 - t0) + post)
-        self._mark(outputs)
+        self._mark(outputs, self.last_stats)  # the stats just published: not collected twice
         return outputs
 
     def _process(self, sched: SchedulerOutput, logprobs: torch.Tensor, now: float):
@@ -342,15 +342,17 @@ class LLMEngine:
         """The statistics as of now (after an abort, say); timings are those of the last step."""
         return StepStats.collect(self, self.last_stats.step_fields() if self.last_stats else {})
 
-    def _mark(self, outputs: list[RequestOutput]) -> None:
+    def _mark(self, outputs: list[RequestOutput], stats: StepStats | None = None) -> None:
         # A ``step`` event (a frame of the live and replay views), if anyone listens.
         if self.kv.trace.listening:
-            self.kv.mark_step(**self.step_info(outputs))
+            self.kv.mark_step(**self.step_info(outputs, stats))
 
-    def step_info(self, outputs: Sequence[RequestOutput] = ()) -> dict:
+    def step_info(
+        self, outputs: Sequence[RequestOutput] = (), stats: StepStats | None = None
+    ) -> dict:
         """What a frame of the pictures says besides the blocks (JSON-able): the step number,
         the requests in each queue with their sequences, those of ``outputs`` that finished, and
-        the stats (:meth:`StepStats.as_dict`)."""
+        the stats (:meth:`StepStats.as_dict`; ``stats``, or the engine's as of now)."""
         q = self.scheduler
         requests = [
             {
@@ -376,7 +378,7 @@ class LLMEngine:
             "step": self.num_steps,
             "requests": requests,
             "finished": finished,
-            "stats": self.stats().as_dict(),
+            "stats": (stats or self.stats()).as_dict(),
         }
 
     def _publish(self, sched: SchedulerOutput, step_time, forward_time, bookkeeping) -> None:
