@@ -58,25 +58,6 @@ PAGED, PADDED, CB = (
 PAGE_SIZE = 256  # transformers' default page size for generate_batch (tokens per page)
 
 
-GPT2_SIZE_RANDOM = "gpt2-size-random"
-
-
-def load_model(name: str):
-    """``load(name)``, plus GPT-2 small's shape with random weights (no download needed)."""
-    if name != GPT2_SIZE_RANDOM:
-        return load(name)
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    from pagedlearn.models import ByteTokenizer
-
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        model = GPT2LMHeadModel(GPT2Config(bos_token_id=256, eos_token_id=256, pad_token_id=257))
-    loaded = load(model, tokenizer=ByteTokenizer())
-    loaded.name = GPT2_SIZE_RANDOM
-    return loaded
-
-
 def short_reason(e: BaseException) -> str:
     lines = str(e).strip().splitlines()
     return f"{type(e).__name__}: {lines[0] if lines else ''}"[:160]
@@ -184,7 +165,7 @@ def main() -> None:
     logging.getLogger("ContinuousBatchingLogger").setLevel(logging.ERROR)  # EOS/flash notices
     import transformers
 
-    loaded = load_model(args.model)
+    loaded = load(args.model)
     print(
         f"Python {platform.python_version()}, torch {torch.__version__}, transformers "
         f"{transformers.__version__}; {os.cpu_count()} CPUs, torch.get_num_threads() = "
@@ -227,7 +208,7 @@ def main() -> None:
         return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
 
     # 2. and 3. transformers
-    hf = load_model(loaded.name).model.to(device)
+    hf = load(loaded.name).model.to(device)
     hf.set_attn_implementation("sdpa")
     pad = config.pad_token_id if config.pad_token_id is not None else config.eos_token_id
     print(

@@ -45,9 +45,10 @@ import statistics
 import time
 
 import torch
-from bench_engine import GPT2_SIZE_RANDOM, hf_padded, load_model  # this script's neighbour
+from bench_engine import hf_padded  # this script's neighbour
 
 from pagedlearn import LLM, SamplingParams
+from pagedlearn.models import GPT2_SIZE_RANDOM, load
 from pagedlearn.models.runner import kv_cache_spec, max_model_len
 from pagedlearn.sim.workloads import MAX_CONTEXT, paper_workload
 
@@ -190,7 +191,7 @@ def main(argv=None) -> list[dict]:
         f"{transformers.__version__}; {os.cpu_count()} CPUs, torch threads "
         f"{torch.get_num_threads()}, load average {os.getloadavg()[0]:.2f}; device {device}"
     )
-    loaded = load_model(args.model)
+    loaded = load(args.model)
     config, positions = loaded.model.config, max_model_len(loaded.model)
     max_len = args.max_model_len or positions
     if not 2 <= max_len <= positions:
@@ -229,13 +230,13 @@ def main(argv=None) -> list[dict]:
 
     rows = []
     for name, mode in ((PAGED, "paged"), (RESERVED, "max")):
-        model = load_model(args.model) if rows else loaded  # LLM() takes over its model
+        model = load(args.model) if rows else loaded  # LLM() takes over its model
         llm = LLM(model, block_size=BLOCK_SIZE, num_blocks=num_blocks, device=device,
                   enable_prefix_caching=False, max_num_seqs=max(args.requests, 2),
                   kv_reservation=mode, verbose=False)  # fmt: skip
         llm.generate([prompts[0][:8]] * 2, SamplingParams(max_tokens=4), use_tqdm=False)  # warm
         rows.append(run_engine(name, llm, prompts, stream))
-    hf = load_model(args.model).model.to(device)
+    hf = load(args.model).model.to(device)
     hf.set_attn_implementation("sdpa")
     # A row that stopped (its emulated EOS) is still computed until its batch ends; clamp its
     # positions to the model's last one so that it cannot index past the position table. Live

@@ -395,3 +395,17 @@ def test_load_refuses_a_tokenizer_that_does_not_fit_the_model():
         load("tiny-gpt2", tokenizer=BigVocab())
     with pytest.raises(ModelLoadError, match="needs encode\\(\\), decode\\(\\) and eos_token_id"):
         load("tiny-gpt2", tokenizer=object())
+
+
+def test_gpt2_size_random_is_gpt2_small_offline_and_the_same_every_time():
+    """The benchmarks' model: GPT-2 small's shape, random seeded weights, the byte tokenizer."""
+    torch.manual_seed(123)
+    before = torch.rand(1)
+    torch.manual_seed(123)
+    a = load("gpt2-size-random")
+    assert torch.equal(torch.rand(1), before)  # the caller's RNG is left where it was
+    b = load("gpt2-size-random")
+    assert a.name == "gpt2-size-random" and a.model.config.n_layer == 12
+    assert a.tokenizer.decode(a.tokenizer.encode("hi")) == "hi"
+    wa, wb = a.model.transformer.wte.weight, b.model.transformer.wte.weight
+    assert wa.shape == (50257, 768) and torch.equal(wa, wb)

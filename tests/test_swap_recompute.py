@@ -6,11 +6,10 @@ import math
 import pytest
 import torch
 
-from pagedlearn.models import ModelLoadError
+from pagedlearn.models import ModelLoadError, load
 from pagedlearn.models.runner import kv_cache_spec
 from pagedlearn.sim.swap_recompute import (
     FIELDS,
-    load_model,
     measure,
     plot_figure19,
     prepare,
@@ -25,7 +24,7 @@ def rows():
 
 @pytest.fixture(scope="module")
 def tiny():
-    return load_model("tiny-gpt2")
+    return load("tiny-gpt2")
 
 
 def test_rows_have_the_fields_bytes_and_block_counts(rows, tiny):

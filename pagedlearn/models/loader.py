@@ -7,6 +7,9 @@
   weights and the :class:`~pagedlearn.models.tokenizer.ByteTokenizer`. They need no download, build
   in milliseconds, and are the same bits every time (fixed seed). Their text is random, but the
   attention they run is the real thing, so every lab and test works on a machine without a network.
+- ``"gpt2-size-random"`` -- GPT-2 small's architecture (124M parameters, 12 layers) with random
+  weights (seeded) and the byte tokenizer: the real model's size and compute, offline, for
+  benchmarks and timings (its text is random too).
 - ``"auto"`` -- the real ``gpt2`` if it is already in the local Hugging Face cache, else
   ``tiny-gpt2`` with a one-line notice (and ``offline_stand_in=True``). It never downloads.
 - a local folder written by ``save_pretrained()``.
@@ -36,6 +39,7 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
 
 OFFLINE_MODELS = ("tiny-gpt2", "tiny-opt")
+GPT2_SIZE_RANDOM = "gpt2-size-random"  # GPT-2 small's shape, random weights: for timings
 TINY_SEED = 0
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _DECODERS_ONLY = "pagedlearn runs decoder-only causal language models (GPT-2, OPT, ...)"
@@ -115,8 +119,8 @@ def load(model: Any, tokenizer: Any = None, dtype: Any = None) -> LoadedModel:
             f"PreTrainedModel; got {type(model).__name__} {model!r}"
         )
     name = os.fspath(model)
-    if name in OFFLINE_MODELS:
-        return _load_tiny(name, tokenizer, dtype)
+    if name in OFFLINE_MODELS or name == GPT2_SIZE_RANDOM:
+        return _load_offline(name, tokenizer, dtype)
     if name == "auto":
         return _load_auto(tokenizer, dtype)
     path = os.path.expanduser(name)
@@ -127,11 +131,15 @@ def load(model: Any, tokenizer: Any = None, dtype: Any = None) -> LoadedModel:
     return _load_hub(name, tokenizer, dtype)
 
 
-def _load_tiny(name: str, tokenizer: Any, dtype: torch.dtype | None) -> LoadedModel:
-    from transformers import GPT2LMHeadModel, OPTForCausalLM
+def _load_offline(name: str, tokenizer: Any, dtype: torch.dtype | None) -> LoadedModel:
+    from transformers import GPT2Config, GPT2LMHeadModel, OPTForCausalLM
 
-    config = tiny_config(name)
-    cls = GPT2LMHeadModel if name == "tiny-gpt2" else OPTForCausalLM
+    if name == GPT2_SIZE_RANDOM:  # GPT2Config()'s defaults are GPT-2 small's shape
+        config = GPT2Config(bos_token_id=256, eos_token_id=256, pad_token_id=257)
+        config.name_or_path = name
+    else:
+        config = tiny_config(name)
+    cls = OPTForCausalLM if name == "tiny-opt" else GPT2LMHeadModel
     # A private RNG stream: the weights are the same on every load, and the caller's torch RNG
     # (their sampling seed, say) is left exactly where it was. devices=[]: CPU only, CUDA untouched.
     with torch.random.fork_rng(devices=[]):
@@ -152,7 +160,7 @@ def _load_auto(tokenizer: Any, dtype: torch.dtype | None) -> LoadedModel:
         file=sys.stderr,
     )
     # The byte tokenizer, not a `tokenizer` that was given: that one was meant for the real gpt2.
-    loaded = _load_tiny("tiny-gpt2", None, dtype)
+    loaded = _load_offline("tiny-gpt2", None, dtype)
     loaded.offline_stand_in = True
     return loaded
 

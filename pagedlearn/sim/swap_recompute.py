@@ -47,14 +47,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from pagedlearn.kv_cache import KVCache
-from pagedlearn.models import load
+from pagedlearn.models import GPT2_SIZE_RANDOM, load
 from pagedlearn.models.runner import ModelRunner, SequenceInput, kv_cache_spec, max_model_len
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-GPT2_SIZE_RANDOM = "gpt2-size-random"  # GPT-2 small's shape (124M), random weights: no download
 PAPER_FIG19 = (
     "Paper (Figure 19a, OPT-13B on an A100 over PCIe): swapping is expensive for small blocks "
     "(many small PCIe transfers); recomputation is flat across block sizes; 'recomputation "
@@ -65,23 +64,6 @@ FIELDS = (
     "block_size", "num_blocks", "bytes", "swap_out_ms", "swap_in_ms", "swap_out_per_block_ms",
     "swap_in_per_block_ms", "recompute_ms", "recompute_over_swap",
 )  # fmt: skip
-
-
-def load_model(name):
-    """``load(name)``, plus ``"gpt2-size-random"``: ``GPT2Config()`` with random weights (seed
-    0), the model ``benchmarks/bench_engine.py`` builds. Compute time does not depend on weights."""
-    if name != GPT2_SIZE_RANDOM:
-        return load(name)
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    from pagedlearn.models import ByteTokenizer
-
-    with torch.random.fork_rng(devices=[]):  # leave the caller's RNG where it was
-        torch.manual_seed(0)
-        model = GPT2LMHeadModel(GPT2Config(bos_token_id=256, eos_token_id=256, pad_token_id=257))
-    loaded = load(model, tokenizer=ByteTokenizer())
-    loaded.name = GPT2_SIZE_RANDOM
-    return loaded
 
 
 @dataclass
@@ -176,7 +158,7 @@ def measure(
     recompute / (swap out + swap in), batched.
     """
     _check(block_sizes, num_tokens, repeats)
-    loaded = load_model(model)
+    loaded = load(model)
     dev = torch.device(device)
     loaded.model.to(dev)
     limit = max_model_len(loaded.model)
