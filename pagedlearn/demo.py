@@ -50,6 +50,18 @@ def requests():
     ]
 
 
+CANCEL_AFTER = 8  # tokens "cancel" generates before its user gives up
+
+
+def cancel_due(out) -> bool:
+    """Whether this step's output is the moment to abort "cancel" (as a user closing a tab)."""
+    return (
+        out.request_id == "cancel"
+        and not out.finished
+        and len(out.outputs[0].token_ids) >= CANCEL_AFTER
+    )
+
+
 def default_num_blocks(tokenizer, reqs, block_size: int) -> int:
     """Room for the largest request alone (all its samples or beams), but about half of what
     all of them need together, so that some requests must be preempted."""
@@ -111,7 +123,7 @@ def run_demo(
             if out.finished:
                 finished[out.request_id] = out
                 notes.append(f"{out.request_id} finished" + (" (failed)" if out.error else ""))
-            elif out.request_id == "cancel" and len(out.outputs[0].token_ids) >= 8:
+            elif cancel_due(out):
                 aborted = finished["cancel"] = engine.abort_request("cancel")  # like a user
                 notes.append(
                     f"cancel aborted after {len(aborted.outputs[0].token_ids)} tokens, "

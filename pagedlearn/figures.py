@@ -24,11 +24,11 @@ DEMO_MODEL = "tiny-gpt2"  # offline and seeded: the same weights, so the same ru
 def record_demo_run(model: str = DEMO_MODEL, block_size: int = 16):
     """Serve the demo's requests on ``model`` and return the recorded ``EventLog``.
 
-    Same requests and pool sizing as ``make demo``; the cancelled request is aborted after 8
-    tokens, as there.
+    Same requests and pool sizing as ``make demo``; the cancelled request is aborted when
+    :func:`~pagedlearn.demo.cancel_due` says so, as there.
     """
     from pagedlearn import LLM
-    from pagedlearn.demo import default_num_blocks, requests
+    from pagedlearn.demo import cancel_due, default_num_blocks, requests
     from pagedlearn.models import load
 
     reqs = requests()
@@ -47,11 +47,7 @@ def record_demo_run(model: str = DEMO_MODEL, block_size: int = 16):
         engine.add_request(rid, prompt, params)
     while engine.has_unfinished_requests():
         for out in engine.step():
-            if (
-                out.request_id == "cancel"
-                and not out.finished
-                and len(out.outputs[0].token_ids) >= 8
-            ):
+            if cancel_due(out):
                 engine.abort_request("cancel")
     log.close()
     return log
