@@ -31,10 +31,8 @@ class RequestBook:
                 self._last[r.request_id] = r
                 continue
             prev = self._last.get(r.request_id)
-            if prev is not None:  # the finished entry carries no seqs or prompt length
-                r = replace(
-                    r, seqs=r.seqs or prev.seqs, prompt_tokens=r.prompt_tokens or prev.prompt_tokens
-                )
+            if prev is not None:  # a finished entry names no sequences: its last known ones
+                r = replace(r, seqs=r.seqs or prev.seqs)
             self._finished[r.request_id] = r
         return list(self._finished.values())
 
