@@ -25,14 +25,16 @@ from collections.abc import Callable, Hashable, Iterable
 import matplotlib
 from matplotlib.colors import to_hex, to_rgb
 
-OKABE_ITO = ["#0072B2", "#E69F00", "#009E73", "#D55E00", "#CC79A7", "#56B4E9", "#F0E442", "#000000"]
+from pagedlearn.sim import plots  # the paper figures' palette and fonts: one look everywhere
+
+OKABE_ITO = plots.OKABE_ITO
 FREE_COLOR = "#ffffff"
 CACHED_COLOR = "#d9d9d9"  # light grey: free, but its KV is still a findable prefix
 MIXED_COLOR = "#7f7f7f"  # mid grey: one block shared by sequences of different requests
 OUTLINE_COLOR = "#8c8c8c"
 SHARED_HATCH = "//"  # refcount > 1: several block tables point here
 
-STYLE = {"font.size": 11, "axes.titlesize": 12, "legend.fontsize": 10, "hatch.linewidth": 1.5}
+STYLE = {**plots.STYLE, "hatch.linewidth": 1.5}  # thicker hatching: shared blocks read at a glance
 MIN_FONT_SIZE = 10
 
 
