@@ -28,7 +28,7 @@ import matplotlib
 from matplotlib.figure import Figure  # no pyplot: no global state, no windows
 from matplotlib.patches import Patch, Rectangle
 
-from pagedlearn.sim.paper import SYSTEMS, make_memory
+from pagedlearn.sim.paper import SYSTEMS, figure2_parts, make_memory
 from pagedlearn.sim.plots import FIG2_PARTS, LABELS, OKABE_ITO, STYLE
 from pagedlearn.sim.simulator import simulate
 from pagedlearn.sim.workloads import MAX_CONTEXT, Request
@@ -146,11 +146,7 @@ def fragmentation_breakdown(
             {
                 "system": system,
                 "label": memory.name,
-                "token_states": b["token_states"],
-                "reserved": b["reserved"],
-                "internal": b["internal"],
-                "external_and_other": b["buddy_rounding"] + b["free"],
-                "buddy_rounding": b["buddy_rounding"],
+                **figure2_parts(b),
                 "free": b["free"],
                 "mean_batch": result.mean_batch(),
                 "preemptions": result.preemptions,
