@@ -41,7 +41,7 @@ def setup(verbose: bool = True) -> NotebookEnv:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     quick_env = os.environ.get("PAGEDLEARN_QUICK")
     quick = (quick_env == "1") if quick_env in ("0", "1") else not gpu
-    gpt2, opt = _pick("gpt2", "tiny-gpt2"), _pick("facebook/opt-125m", "tiny-opt")
+    gpt2, opt = _pick_models()
     env = NotebookEnv("cuda" if gpu else "cpu", quick, gpt2, opt, gpt2.startswith("tiny"))
     if verbose:
         where = torch.cuda.get_device_name() if gpu else "CPU (Triton kernels in the interpreter)"
@@ -67,17 +67,26 @@ def _show_figures_inline() -> None:
         shell.run_line_magic("matplotlib", "inline")
 
 
-def _pick(real: str, tiny: str) -> str:
+def _pick_models() -> tuple[str, str]:
+    """The GPT-2 and OPT to run: each real one if cached or downloadable, else its tiny one."""
+    if os.environ.get("PAGEDLEARN_OFFLINE") == "1":
+        return "tiny-gpt2", "tiny-opt"
     from pagedlearn.models import hub
 
-    if os.environ.get("PAGEDLEARN_OFFLINE") == "1":
-        return tiny
-    try:
-        if hub.in_cache(real) or hub.why_unreachable() is None:
-            return real
-    except Exception:  # a broken cache or an odd network: the offline model still teaches
-        pass
-    return tiny
+    reachable = None  # asked once: an unreachable hub costs up to a few seconds per probe
+
+    def pick(real: str, tiny: str) -> str:
+        nonlocal reachable
+        try:
+            if hub.in_cache(real):
+                return real
+            if reachable is None:
+                reachable = hub.why_unreachable() is None
+            return real if reachable else tiny
+        except Exception:  # a broken cache or an odd network: the offline model still teaches
+            return tiny
+
+    return pick("gpt2", "tiny-gpt2"), pick("facebook/opt-125m", "tiny-opt")
 
 
 def _version() -> str:

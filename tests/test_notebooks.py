@@ -80,3 +80,19 @@ def test_notebook_runs_top_to_bottom_offline(py: Path, monkeypatch):
     )
     images = sum("image/png" in o.get("data", {}) for o in outputs)
     assert images or not draws, "the chapter draws figures but none was shown as an image"
+
+
+def test_setup_asks_the_hub_once_and_falls_back_to_the_tiny_models(monkeypatch):
+    from pagedlearn import notebook
+    from pagedlearn.models import hub
+
+    asked = []
+    monkeypatch.delenv("PAGEDLEARN_OFFLINE", raising=False)
+    monkeypatch.setattr(hub, "in_cache", lambda name: name == "facebook/opt-125m")
+    monkeypatch.setattr(hub, "why_unreachable", lambda: asked.append(1) or "no network")
+    env = notebook.setup(verbose=False)
+    assert (env.gpt2, env.opt, env.offline) == ("tiny-gpt2", "facebook/opt-125m", True)
+    monkeypatch.setattr(hub, "in_cache", lambda name: False)
+    env = notebook.setup(verbose=False)
+    assert (env.gpt2, env.opt) == ("tiny-gpt2", "tiny-opt")
+    assert len(asked) == 2  # once per setup(), not once per model
