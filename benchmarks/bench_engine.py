@@ -58,6 +58,17 @@ PAGED, PADDED, CB = (
 PAGE_SIZE = 256  # transformers' default page size for generate_batch (tokens per page)
 
 
+def machine_line() -> str:
+    """Versions, cores and load: what a reader needs to judge any timing printed after it."""
+    import transformers
+
+    return (
+        f"Python {platform.python_version()}, torch {torch.__version__}, transformers "
+        f"{transformers.__version__}; {os.cpu_count()} CPUs, torch threads "
+        f"{torch.get_num_threads()}, load average {os.getloadavg()[0]:.2f}"
+    )
+
+
 def short_reason(e: BaseException) -> str:
     lines = str(e).strip().splitlines()
     return f"{type(e).__name__}: {lines[0] if lines else ''}"[:160]
@@ -163,14 +174,8 @@ def main() -> None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     logging.getLogger("ContinuousBatchingLogger").setLevel(logging.ERROR)  # EOS/flash notices
-    import transformers
-
     loaded = load(args.model)
-    print(
-        f"Python {platform.python_version()}, torch {torch.__version__}, transformers "
-        f"{transformers.__version__}; {os.cpu_count()} CPUs, torch.get_num_threads() = "
-        f"{torch.get_num_threads()}, load average {os.getloadavg()[0]:.2f}"
-    )
+    print(machine_line())
     why = " (--model auto: gpt2 is not in the local HF cache)" if loaded.offline_stand_in else ""
     print(f"model: {loaded.name}{why}, {loaded.model.dtype}, device {device}")
     config = loaded.model.config

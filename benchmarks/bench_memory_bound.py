@@ -39,13 +39,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import random
 import statistics
 import time
 
 import torch
-from bench_engine import hf_padded  # this script's neighbour
+from bench_engine import hf_padded, machine_line  # this script's neighbour
 
 from pagedlearn import LLM, SamplingParams
 from pagedlearn.models import GPT2_SIZE_RANDOM, load
@@ -184,13 +183,7 @@ def main(argv=None) -> list[dict]:
     device = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    import transformers
-
-    print(
-        f"Python {platform.python_version()}, torch {torch.__version__}, transformers "
-        f"{transformers.__version__}; {os.cpu_count()} CPUs, torch threads "
-        f"{torch.get_num_threads()}, load average {os.getloadavg()[0]:.2f}; device {device}"
-    )
+    print(f"{machine_line()}; device {device}")
     loaded = load(args.model)
     config, positions = loaded.model.config, max_model_len(loaded.model)
     max_len = args.max_model_len or positions
