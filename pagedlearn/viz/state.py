@@ -80,6 +80,10 @@ class PoolState:
         """How many blocks are of ``kind`` ("free", "cached", "used", "shared")."""
         return sum(b.kind == kind for b in self.blocks)
 
+    def blocks_of(self, seq_id: Hashable) -> tuple[int, ...]:
+        """A GPU-resident sequence's block table (empty for one swapped out or gone)."""
+        return self.tables.get(seq_id, ())
+
     def group_of(self, seq_id: Hashable) -> Hashable:
         """The request a sequence belongs to (engine runs), else the sequence itself. Drawings
         colour by group, so that the samples or beams of one request share a colour."""
