@@ -12,8 +12,9 @@ stays findable until its slot is needed for new data (lazy eviction). So the fre
 ordered queues, and ``allocate`` takes
 
 1. blocks that hold nothing, first (evicting nothing), then
-2. cached blocks, least recently freed first (LRU eviction); the ``on_evict`` callback tells the
-   prefix cache to forget the evicted block's hash.
+2. cached blocks, least recently freed first (LRU eviction). The block's old KV is lost, so its
+   hash must be forgotten: the KV-cache manager asks its prefix cache about each block it is
+   handed, and an ``on_evict`` callback, if given, is called with each evicted id.
 
 Every operation is O(1) per block: the queues are ``OrderedDict``s (a hash map threaded by a
 doubly linked list), so popping the oldest block, appending a freed one, and pulling a cached block

@@ -1,8 +1,9 @@
 """The rules a paged KV cache must keep at every moment, checked one by one.
 
-``KVCacheManager.check_invariants()`` calls :func:`check_invariants`; the tests call it after every
-random operation, and a lab can call it after every step to see that nothing leaked. It costs
-O(num_blocks + tokens), so it is for tests, debugging and teaching, not for each step of a server.
+``KVCacheManager.check_invariants()`` calls :func:`check_invariants` with its parts (sequence
+tables, pools, prefix cache); the tests call it after every random operation, and a lab can call
+it after every step to see that nothing leaked. It costs O(num_blocks + tokens), so it is for
+tests, debugging and teaching, not for each step of a server.
 
 1. Every block's refcount equals the number of block-table entries pointing at it (and the
    allocator's count of shared blocks, refcount > 1, agrees).
@@ -21,55 +22,58 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
 
+from pagedlearn.block_allocator import BlockAllocator
+from pagedlearn.block_table import BlockTable
 from pagedlearn.errors import PagedLearnError
-from pagedlearn.prefix_cache import parent_hash
-
-if TYPE_CHECKING:
-    from pagedlearn.block_allocator import BlockAllocator
-    from pagedlearn.block_table import BlockTable
-    from pagedlearn.kv_cache_manager import KVCacheManager
+from pagedlearn.prefix_cache import PrefixCache, parent_hash
+from pagedlearn.sequence_tables import SequenceTables
 
 
 def _fail(msg: str) -> None:
     raise PagedLearnError(f"invariant violated: {msg}")
 
 
-def check_invariants(kv: KVCacheManager) -> None:
-    """Raise :class:`PagedLearnError` naming the first broken invariant of ``kv``'s pool."""
-    a = kv.allocator
-    tables = kv._tables  # this module is the manager's own checker: it reads its state directly
-    _check_pool(a, tables.values(), "")  # 1 and 2 on the GPU
+def check_invariants(
+    seqs: SequenceTables,
+    allocator: BlockAllocator,
+    cpu_allocator: BlockAllocator | None,
+    prefix_cache: PrefixCache | None,
+    block_size: int,
+) -> None:
+    """Raise :class:`PagedLearnError` naming the first broken invariant of a manager's pools:
+    its sequence tables, its GPU (and CPU) allocator and its prefix cache (None: caching off)."""
+    tables = seqs.gpu
+    _check_pool(allocator, tables.values(), "")  # 1 and 2 on the GPU
     _check_shapes(tables, "")  # 3
 
     # 4: the CPU swap pool, with the same rules over the swapped-out tables
-    swapped = kv._swapped
-    if kv.cpu_allocator is None:
+    swapped = seqs.cpu
+    if cpu_allocator is None:
         if swapped:
             _fail(f"{len(swapped)} sequences are swapped out but there is no CPU pool")
     else:
-        _check_pool(kv.cpu_allocator, swapped.values(), "CPU ")
+        _check_pool(cpu_allocator, swapped.values(), "CPU ")
         _check_shapes(swapped, "swapped-out ")
     if both := tables.keys() & swapped.keys():
         _fail(f"{next(iter(both))!r} is both on the GPU and swapped out")
-    if kv._extra_keys.keys() != tables.keys() | swapped.keys():
+    if seqs.extra_keys.keys() != tables.keys() | swapped.keys():
         _fail("the extra keys (model, adapter, salt) are kept for other sequences than exist")
 
     # 5: the prefix cache says the truth about every block it indexes
-    if kv.prefix_cache is None:
+    if prefix_cache is None:
         return
     users: dict[int, list[tuple[object, int]]] = {}  # block -> [(seq_id, logical index)]
     for seq_id, t in tables.items():
         for j, b in enumerate(t.block_ids):
             users.setdefault(b, []).append((seq_id, j))
     indexed = set()
-    for block_hash, entry in kv.prefix_cache.items():
+    for block_hash, entry in prefix_cache.items():
         b = entry.block_id
         indexed.add(b)
-        if len(entry.token_ids) != kv.block_size:
+        if len(entry.token_ids) != block_size:
             _fail(f"cached block {b} holds {len(entry.token_ids)} tokens, not a full block")
-        rehash = kv.prefix_cache.hash_block(entry.parent_hash, entry.token_ids, entry.extra_keys)
+        rehash = prefix_cache.hash_block(entry.parent_hash, entry.token_ids, entry.extra_keys)
         if rehash != block_hash:
             _fail(f"cached block {b} is stored under a hash of other content")
         for seq_id, j in users.get(b, []):
@@ -77,12 +81,13 @@ def check_invariants(kv: KVCacheManager) -> None:
             if (
                 t.block_tokens(j) != list(entry.token_ids)
                 or parent_hash(t.block_hashes, j) != entry.parent_hash
-                or kv._extra_keys[seq_id] != entry.extra_keys
+                or seqs.extra_keys[seq_id] != entry.extra_keys
             ):
                 _fail(
                     f"cached block {b} is used by {seq_id!r} at logical block {j} "
                     "with other tokens or another prefix"
                 )
+    a = allocator
     if indexed != {b for b in range(a.num_blocks) if a.is_cached(b)}:
         _fail("the allocator's cached blocks differ from the prefix cache's")
 

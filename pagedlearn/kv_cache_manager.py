@@ -4,10 +4,11 @@ This is what a serving engine's scheduler talks to (vLLM calls its version the b
 KV cache manager). It owns
 
 - a :class:`BlockAllocator` (which physical blocks are free, refcounts),
-- one :class:`BlockTable` per sequence (logical -> physical blocks, tokens, slots),
+- one :class:`BlockTable` per sequence (logical -> physical blocks, tokens, slots), kept in a
+  :class:`SequenceTables` that knows which are on the GPU and which are swapped out,
 - a :class:`PrefixCache` when ``enable_prefix_caching`` (hash -> block for full blocks),
 - a second :class:`BlockAllocator` over a CPU swap pool when ``num_cpu_blocks > 0``,
-- a :class:`Trace` that announces every block operation (see trace.py).
+- a :class:`Trace` that announces every block operation (trace.py; block_events.py emits them).
 
 It never touches a tensor. It answers "where does token i's K/V go?" (``append_token`` returns a
 slot; ``slot_mapping`` gives all of them) and "which blocks must be copied before the next kernel
@@ -23,26 +24,31 @@ Rules worth knowing:
 - With prefix caching, a prompt reuses cached full blocks from the start of the prompt, but never
   all of it: at least one token must be computed to get logits, so (as in vLLM and nano-vllm) the
   reused prefix is capped at ``len(prompt) - 1`` tokens, rounded down to whole blocks.
+- A free cached block stays findable until an allocation takes it for new data; then its hash is
+  forgotten and an ``evict`` event names the sequence that took it.
 - Any operation that raises leaves every table, refcount and cache entry as it was.
 
 Swapping (preemption by swap, the paper's section 4.5) is in swap.py: with ``num_cpu_blocks > 0``,
 ``swap_out`` moves the samples of a request to a CPU pool (their tables stay, naming CPU blocks)
 and ``swap_in`` brings them back. Like copy-on-write, swaps return copies for the engine, which
 applies them before the next forward pass in this order: swap-out, swap-in, copy-on-write.
+The rules that must hold after every operation are checked in invariants.py.
 """
 
 from __future__ import annotations
 
-import operator
+from collections import Counter
 from collections.abc import Hashable, Iterable
 from typing import Any
 
 from pagedlearn import swap
 from pagedlearn.block_allocator import BlockAllocator
+from pagedlearn.block_events import BlockEvents
 from pagedlearn.block_table import BlockTable
 from pagedlearn.errors import OutOfBlocksError, PagedLearnError
 from pagedlearn.invariants import check_invariants
 from pagedlearn.prefix_cache import PrefixCache, make_extra_keys, parent_hash
+from pagedlearn.sequence_tables import SequenceTables, check_token, check_tokens, id_list
 from pagedlearn.trace import EventLog, StepMarker, Trace
 
 
@@ -80,16 +86,17 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.model_id = model_id  # part of every block hash: no sharing across models
         self.trace = Trace()
-        self._marker = StepMarker()
-        self.allocator = BlockAllocator(num_blocks, on_evict=self._on_evict)
+        self.allocator = BlockAllocator(num_blocks)
         self.prefix_cache = PrefixCache() if enable_prefix_caching else None
         # The swap pool holds KV only while its sequence is swapped out: no caching, no eviction.
         self.cpu_allocator = BlockAllocator(n_cpu) if n_cpu else None
-        self._tables: dict[Hashable, BlockTable] = {}  # resident sequences: ids name GPU blocks
-        self._swapped: dict[Hashable, BlockTable] = {}  # swapped out: ids name CPU blocks
-        self._extra_keys: dict[Hashable, tuple] = {}  # per sequence: model, adapter, salt
+        self._seqs = SequenceTables()  # every sequence's table, on the GPU or swapped out
+        # The same dicts under the names the tests and viz/state.py read.
+        self._tables, self._swapped = self._seqs.gpu, self._seqs.cpu
+        self._extra_keys = self._seqs.extra_keys
+        self._events = BlockEvents(self.trace)
+        self._marker = StepMarker()
         self._copies: list[tuple[int, int]] = []  # pending copy-on-write (src, dst)
-        self._allocating_for: Hashable = None  # the sequence an allocation in progress serves
         self._counters = {
             "prefix_query_tokens": 0,
             "prefix_hit_tokens": 0,
@@ -110,17 +117,15 @@ class KVCacheManager:
         """Give a new sequence blocks for its prompt; returns how many prompt tokens reuse cached
         KV (their prefill can be skipped). Raises :class:`OutOfBlocksError`, changing nothing,
         when the pool cannot hold the prompt."""
-        self._check_new_id(seq_id)
-        tokens = _check_tokens(token_ids)
+        self._seqs.check_new(seq_id)
+        tokens = check_tokens(token_ids)
         bs = self.block_size
-        table = BlockTable(bs, token_ids=tokens)
         extra = make_extra_keys(self.model_id, adapter_id, cache_salt)
-
-        hits = self._lookup_prefix(table, extra)
+        hashes, hits = self._find_prefix(tokens, extra)
 
         # Hits that sit in the free queue are taken out of it, so they count against free space.
         revived = sum(1 for b in hits if self.allocator.refcount(b) == 0)
-        num_new = table.blocks_needed(len(tokens)) - len(hits)
+        num_new = -(-len(tokens) // bs) - len(hits)  # ceil(tokens / block_size), less the hits
         if num_new + revived > self.allocator.num_free_blocks:
             self._counters["allocation_failures"] += 1
             raise OutOfBlocksError(
@@ -132,17 +137,15 @@ class KVCacheManager:
         # Nothing below can fail. Incref the hits first so that allocate cannot evict them.
         if hits:
             self.allocator.incref(hits)
-            self.trace.emit("cache_hit", hits, (seq_id,))
+            self._events.cache_hit(seq_id, hits)
         new = self._allocate(num_new, seq_id)
-        self.trace.emit("allocate", new, (seq_id,))
-        table.block_ids = hits + new
-        self._tables[seq_id] = table
-        self._extra_keys[seq_id] = extra
+        self._events.allocate(seq_id, new)
+        table = BlockTable(bs, block_ids=hits + new, token_ids=tokens, block_hashes=hashes)
+        self._seqs.add(seq_id, table, extra)
         if self.prefix_cache is not None:
             # Register the prompt's full blocks now: the prefill that follows writes their KV,
             # and a request with the same prefix arriving next step can already share them.
-            for j in range(len(hits), len(table.block_hashes)):
-                self._register(seq_id, table, j)
+            self._index_blocks(seq_id, table, start=len(hits))
             self._counters["prefix_query_tokens"] += len(tokens)
             self._counters["prefix_hit_tokens"] += len(hits) * bs
         return len(hits) * bs
@@ -152,50 +155,48 @@ class KVCacheManager:
 
         Allocates a block on a block boundary; copies on write if the last block is shared.
         """
-        table = self._table(seq_id)
-        (token,) = _check_tokens([token_id])
+        table = self._seqs.on_gpu(seq_id)
+        token = check_token(token_id)
         pos = table.num_tokens
         if pos % self.block_size == 0:  # the last block is full (or there is none): a new one
             (block,) = self._allocate(1, seq_id, f"append_token({seq_id!r}) at position {pos}")
             table.block_ids.append(block)
-            self.trace.emit("allocate", (block,), (seq_id,))
+            self._events.allocate(seq_id, (block,))
         elif self.allocator.refcount(src := table.block_ids[-1]) > 1:  # shared partial block
             (dst,) = self._allocate(1, seq_id, f"copy-on-write for {seq_id!r}")
             self.allocator.free([src])  # one sharer fewer; the others keep src untouched
             table.block_ids[-1] = dst
             self._copies.append((src, dst))
             self._counters["cow_copies"] += 1
-            self.trace.emit("cow_copy", (src, dst), (seq_id,))
+            self._events.cow_copy(seq_id, src, dst)
         table.token_ids.append(token)
         if self.prefix_cache is not None and table.num_tokens % self.block_size == 0:
-            j = table.num_full_blocks - 1  # the block just filled up: hash it and register it
-            table.block_hashes.append(self._hash_block(table, j, self._extra_keys[seq_id]))
-            self._register(seq_id, table, j)
+            j = table.num_full_blocks - 1  # the block just filled up: hash it, then register it
+            parent, extra = parent_hash(table.block_hashes, j), self._seqs.extra_keys[seq_id]
+            table.block_hashes.append(
+                self.prefix_cache.hash_block(parent, table.block_tokens(j), extra)
+            )
+            self._index_blocks(seq_id, table, start=j)
         return table.slot(pos)
 
     def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
         """Make ``child_id`` a copy of ``parent_id`` that shares all its blocks (no KV copied)."""
-        parent = self._table(parent_id)
-        self._check_new_id(child_id)
+        parent = self._seqs.on_gpu(parent_id)
+        self._seqs.check_new(child_id)
         self.allocator.incref(parent.block_ids)
-        self._tables[child_id] = parent.copy()
-        self._extra_keys[child_id] = self._extra_keys[parent_id]
-        self.trace.emit("incref", parent.block_ids, (parent_id, child_id))
+        self._seqs.add(child_id, parent.copy(), self._seqs.extra_keys[parent_id])
+        self._events.incref(parent_id, child_id, parent.block_ids)
 
     def free_sequence(self, seq_id: Hashable) -> None:
         """Return a finished (or aborted) sequence's blocks. Cached blocks stay findable until
         evicted. A swapped-out sequence gives back its CPU blocks."""
-        tables = self._where(seq_id)
+        on_cpu = self._seqs.is_swapped(seq_id)
         # Tail first: the tail of a sequence is the least likely to be shared, so it should be
         # the first evicted -- freeing it first puts it nearer the front of the LRU queue.
-        blocks = tables[seq_id].block_ids[::-1]
-        if tables is self._swapped:
-            self.cpu_allocator.free(blocks)
-            self.trace.emit("free", blocks, (seq_id,), cpu=True)
-        else:
-            self.allocator.free(blocks)
-            self.trace.emit("free", blocks, (seq_id,))
-        del tables[seq_id], self._extra_keys[seq_id]
+        blocks = self._seqs.table(seq_id).block_ids[::-1]
+        (self.cpu_allocator if on_cpu else self.allocator).free(blocks)
+        self._events.free(seq_id, blocks, cpu=on_cpu)
+        self._seqs.remove(seq_id)
 
     def pop_copies(self) -> list[tuple[int, int]]:
         """Pending copy-on-write copies ``(src, dst)``; apply them to the KV tensors before the
@@ -208,22 +209,26 @@ class KVCacheManager:
     def swap_out(self, seq_ids: Iterable[Hashable]) -> list[tuple[int, int]]:
         """Move a group of sequences (the samples of one request) to the CPU pool; returns the
         ``(gpu_block, cpu_block)`` copies to apply first. See :func:`pagedlearn.swap.swap_out`."""
-        return swap.swap_out(self, seq_ids)
+        copies = swap.swap_out(self, seq_ids)
+        self._counters["swap_out_blocks"] += len(copies)
+        return copies
 
     def swap_in(self, seq_ids: Iterable[Hashable]) -> list[tuple[int, int]]:
         """Bring a swapped-out group back to the GPU; returns the ``(cpu_block, gpu_block)``
         copies to apply after swap-out ones. See :func:`pagedlearn.swap.swap_in`."""
-        return swap.swap_in(self, seq_ids)
+        copies = swap.swap_in(self, seq_ids)
+        self._counters["swap_in_blocks"] += len(copies)
+        return copies
 
     # --- queries -------------------------------------------------------------------------------
     def block_table(self, seq_id: Hashable) -> list[int]:
-        return list(self._table(seq_id).block_ids)
+        return list(self._seqs.on_gpu(seq_id).block_ids)
 
     def slot_mapping(self, seq_id: Hashable) -> list[int]:
-        return self._table(seq_id).slot_mapping()
+        return self._seqs.on_gpu(seq_id).slot_mapping()
 
     def token_ids(self, seq_id: Hashable) -> list[int]:
-        return list(self._where(seq_id)[seq_id].token_ids)  # swapped sequences too
+        return list(self._seqs.table(seq_id).token_ids)  # swapped sequences too
 
     def cached_prefix_tokens(
         self, token_ids: Iterable[int], cache_salt: Hashable = None, adapter_id: Hashable = None
@@ -231,27 +236,27 @@ class KVCacheManager:
         """How many leading tokens ``add_sequence(..., token_ids)`` would reuse from the prefix
         cache right now (0 without caching). Changes nothing: a scheduler asks it to size a
         prefill chunk so that the chunk starts after the cached prefix."""
-        table = BlockTable(self.block_size, token_ids=_check_tokens(token_ids))
         extra = make_extra_keys(self.model_id, adapter_id, cache_salt)
-        return len(self._lookup_prefix(table, extra)) * self.block_size
+        _, hits = self._find_prefix(check_tokens(token_ids), extra)
+        return len(hits) * self.block_size
 
     def num_tokens(self, seq_id: Hashable) -> int:
         """How many tokens the sequence holds KV slots for (O(1); swapped sequences too)."""
-        return self._where(seq_id)[seq_id].num_tokens
+        return self._seqs.table(seq_id).num_tokens
 
     def sequences(self) -> list[Hashable]:
         """Ids of the sequences whose blocks are on the GPU (not the swapped-out ones)."""
-        return list(self._tables)
+        return list(self._seqs.gpu)
 
     def swapped_sequences(self) -> list[Hashable]:
         """Ids of the swapped-out sequences (their KV is in the CPU pool)."""
-        return list(self._swapped)
+        return list(self._seqs.cpu)
 
     def is_swapped(self, seq_id: Hashable) -> bool:
-        return self._where(seq_id) is self._swapped
+        return self._seqs.is_swapped(seq_id)
 
     def __contains__(self, seq_id: Hashable) -> bool:
-        return seq_id in self._tables or seq_id in self._swapped
+        return seq_id in self._seqs
 
     def blocks_to_append(self, seq_ids: Iterable[Hashable]) -> int:
         """GPU blocks that appending one token to each of ``seq_ids``, in order, would allocate:
@@ -272,23 +277,18 @@ class KVCacheManager:
         >>> kv.blocks_to_append(["a", "d"]), kv.blocks_to_append(["d", "d", "d", "d", "d"])
         (2, 2)
         """
-        count = 0
-        tokens: dict[Hashable, int] = {}  # the token count each sequence would have so far
-        last: dict[Hashable, int | None] = {}  # its last block; None: a fresh one of its own
-        refs: dict[int, int] = {}  # refcounts of the shared blocks, as the appends lower them
-        for s in self._id_list(seq_ids, "blocks_to_append"):
-            table = self._table(s)
-            n = tokens.get(s, table.num_tokens)
-            block = last.get(s, table.block_ids[-1])
-            if n % self.block_size == 0:  # full last block: a new block
-                count += 1
-                last[s] = None
-            elif block is not None and refs.setdefault(block, self.allocator.refcount(block)) > 1:
-                count += 1  # copy-on-write: one sharer fewer on the old block
-                refs[block] -= 1
-                last[s] = None
-            tokens[s] = n + 1
-        return count
+        ids = id_list(seq_ids, "blocks_to_append")
+        tables = {s: self._seqs.on_gpu(s) for s in ids}  # an unknown or swapped-out id raises
+        new_blocks = 0
+        writers: Counter[int] = Counter()  # shared partial last block -> sequences writing into it
+        for s, k in Counter(ids).items():  # s appends k tokens
+            table = tables[s]
+            # Blocks that num_tokens + k tokens need, less those the sequence holds already.
+            new_blocks += table.blocks_needed(table.num_tokens + k) - len(table.block_ids)
+            if table.num_tokens % self.block_size:  # s's first token goes into its last block
+                writers[table.block_ids[-1]] += 1
+        copies = sum(min(k, self.allocator.refcount(b) - 1) for b, k in writers.items())
+        return new_blocks + copies
 
     def blocks_to_swap_in(self, seq_ids: Iterable[Hashable]) -> int:
         """GPU blocks ``swap_in(seq_ids)`` would allocate (see swap.py); changes nothing."""
@@ -306,8 +306,8 @@ class KVCacheManager:
         return {
             "num_blocks": a.num_blocks,
             "block_size": self.block_size,
-            "num_seqs": len(self._tables),
-            "swapped_seqs": len(self._swapped),
+            "num_seqs": len(self._seqs.gpu),
+            "swapped_seqs": len(self._seqs.cpu),
             "cpu_blocks": cpu.num_blocks if cpu else 0,
             "cpu_used_blocks": cpu.num_blocks - cpu.num_free_blocks if cpu else 0,
             "used_blocks": a.num_blocks - a.num_free_blocks,
@@ -329,117 +329,46 @@ class KVCacheManager:
         """Emit a ``step`` event: a frame for replays and live views, with every sequence's
         token count, its new tokens since the last mark, and ``info`` (JSON-able values).
         The engine marks after each step; a lab driving the manager by hand may mark too."""
-        self._marker.mark(self.trace, {**self._tables, **self._swapped}, info)
+        self._marker.mark(self.trace, self._seqs.all(), info)
 
     def check_invariants(self) -> None:
         """Raise :class:`PagedLearnError` naming the first broken invariant (see invariants.py)."""
-        check_invariants(self)
+        check_invariants(
+            self._seqs, self.allocator, self.cpu_allocator, self.prefix_cache, self.block_size
+        )
 
-    # --- internals -----------------------------------------------------------------------------
-    def _where(self, seq_id: Hashable) -> dict[Hashable, BlockTable]:
-        """The dict that holds ``seq_id``'s table: ``_tables`` (GPU) or ``_swapped`` (CPU)."""
-        try:
-            return next(d for d in (self._tables, self._swapped) if seq_id in d)
-        except (StopIteration, TypeError):
-            raise PagedLearnError(f"unknown sequence id {seq_id!r}") from None
-
-    def _table(self, seq_id: Hashable) -> BlockTable:
-        """The table of a sequence on the GPU (the only kind that can grow, fork or be read)."""
-        if self._where(seq_id) is self._swapped:
-            raise PagedLearnError(
-                f"sequence {seq_id!r} is swapped out to the CPU: swap_in([{seq_id!r}]) first"
-            )
-        return self._tables[seq_id]
-
-    def _check_new_id(self, seq_id: Hashable) -> None:
-        try:
-            exists = seq_id in self  # on the GPU or swapped out
-        except TypeError:
-            raise PagedLearnError(f"sequence id {seq_id!r} is not hashable") from None
-        if exists:
-            raise PagedLearnError(f"sequence id {seq_id!r} already exists")
-
-    @staticmethod
-    def _id_list(seq_ids: Iterable[Hashable], what: str) -> list[Hashable]:
-        # A bare string is iterable too: "req-1" would become five one-letter ids.
-        if isinstance(seq_ids, (str, bytes)) or not isinstance(seq_ids, Iterable):
-            raise PagedLearnError(f"{what} takes a list of sequence ids, got {seq_ids!r}")
-        return list(seq_ids)
-
+    # --- internals (swap.py uses _allocate and _index_blocks too) ------------------------------
     def _allocate(self, n: int, seq_id: Hashable, what: str = "") -> list[int]:
-        self._allocating_for = seq_id  # named in the evict events this allocation may cause
+        """``n`` fresh GPU blocks for ``seq_id``'s new data (``what`` names the request in an
+        :class:`OutOfBlocksError`). A free cached block taken here loses its prefix-cache entry:
+        the allocator hands out empty blocks first, cached ones least recently used first."""
         try:
-            return self.allocator.allocate(n)
+            blocks = self.allocator.allocate(n)
         except OutOfBlocksError as e:
             self._counters["allocation_failures"] += 1
             raise OutOfBlocksError(e.needed, e.free, e.total, what=what) from None
+        if self.prefix_cache is not None:
+            for b in blocks:
+                if (block_hash := self.prefix_cache.evict(b)) is not None:  # it was cached
+                    self._events.evict(seq_id, b, block_hash)
+        return blocks
 
-    def _lookup_prefix(self, table: BlockTable, extra: tuple) -> list[int]:
-        """Hash the table's full blocks into ``table.block_hashes``; return the cached blocks
-        that hold its longest prefix (capped: at least one token is left to compute)."""
-        hits: list[int] = []
+    def _find_prefix(self, tokens: list[int], extra: tuple) -> tuple[list[bytes], list[int]]:
+        """The hashes of the prompt's full blocks and the cached blocks that hold its longest
+        prefix, never all of it (see ``PrefixCache.match``); ``[], []`` without caching."""
         if self.prefix_cache is None:
-            return hits
-        tokens, bs = table.token_ids, self.block_size
-        for j in range(len(tokens) // bs):  # hash every full block, each chained on the last
-            table.block_hashes.append(self._hash_block(table, j, extra))
-        for j in range((len(tokens) - 1) // bs):  # cap: keep >= 1 token to compute
-            parent = parent_hash(table.block_hashes, j)
-            block = self.prefix_cache.lookup(
-                table.block_hashes[j], parent, table.block_tokens(j), extra
-            )
-            if block is None:
-                break
-            hits.append(block)
-        return hits
+            return [], []
+        return self.prefix_cache.match(tokens, self.block_size, extra)
 
-    def _hash_block(self, table: BlockTable, j: int, extra: tuple) -> bytes:
-        parent = parent_hash(table.block_hashes, j)
-        return self.prefix_cache.hash_block(parent, table.block_tokens(j), extra)
-
-    def _register(self, seq_id: Hashable, table: BlockTable, j: int) -> None:
-        block, block_hash = table.block_ids[j], table.block_hashes[j]
-        if self.prefix_cache.insert(
-            block_hash,
-            block,
-            parent_hash(table.block_hashes, j),
-            table.block_tokens(j),
-            self._extra_keys[seq_id],
-        ):
-            self.allocator.mark_cached(block)
-            if self.trace.listening:
-                tokens = table.block_tokens(j)
-                self.trace.emit(
-                    "cache_store", (block,), (seq_id,), hash=block_hash.hex(), tokens=tokens
-                )
-
-    def _on_evict(self, block_id: int) -> None:
-        # Called by the allocator when it hands out a free cached block for new data.
-        block_hash = self.prefix_cache.evict(block_id) if self.prefix_cache else None
-        self.trace.emit(
-            "evict",
-            (block_id,),
-            (self._allocating_for,),
-            hash=block_hash.hex() if block_hash else None,
-        )
-
-
-def _check_tokens(token_ids: Iterable[int]) -> list[int]:
-    """Token ids as a list of ints >= 0 (numpy / torch ints welcome); names the first bad one."""
-    if isinstance(token_ids, (str, bytes)):
-        raise PagedLearnError("token ids must be ints, got a string: tokenize it first")
-    try:
-        items = iter(token_ids)
-    except TypeError:
-        raise PagedLearnError(f"token ids must be ints, got {token_ids!r}") from None
-    tokens = []
-    for i, t in enumerate(items):
-        try:
-            tokens.append(operator.index(t))
-        except TypeError:
-            raise PagedLearnError(f"token ids must be ints: position {i} is {t!r}") from None
-        if tokens[-1] < 0:
-            raise PagedLearnError(f"token ids must be >= 0: position {i} is {t!r}")
-    if not tokens:
-        raise PagedLearnError("a sequence needs at least one token")
-    return tokens
+    def _index_blocks(self, seq_id: Hashable, table: BlockTable, start: int = 0) -> None:
+        """Register ``table``'s hashed full blocks from logical block ``start`` on in the prefix
+        cache, so that other requests find them (content indexed already keeps its block)."""
+        if self.prefix_cache is None:
+            return
+        extra = self._seqs.extra_keys[seq_id]
+        for j in range(start, len(table.block_hashes)):
+            block, block_hash = table.block_ids[j], table.block_hashes[j]
+            tokens, parent = table.block_tokens(j), parent_hash(table.block_hashes, j)
+            if self.prefix_cache.insert(block_hash, block, parent, tokens, extra):
+                self.allocator.mark_cached(block)
+                self._events.cache_store(seq_id, block, block_hash, tokens)

@@ -47,6 +47,20 @@ def parent_hash(block_hashes: Sequence[bytes], j: int) -> bytes:
     return ROOT_HASH if j == 0 else block_hashes[j - 1]
 
 
+def hash_blocks(token_ids: Sequence[int], block_size: int, extra_keys: tuple) -> list[bytes]:
+    """The chained hash of every full block of ``token_ids``, in order (a partial tail has none).
+
+    >>> hashes = hash_blocks([1, 2, 3, 4, 5], 2, ())  # two full blocks; the tail [5] has none
+    >>> len(hashes), hashes[1] == hash_block(hashes[0], [3, 4], ())  # block 1 chains on block 0
+    (2, True)
+    """
+    hashes: list[bytes] = []
+    for j in range(len(token_ids) // block_size):
+        tokens = token_ids[j * block_size : (j + 1) * block_size]
+        hashes.append(hash_block(parent_hash(hashes, j), tokens, extra_keys))
+    return hashes
+
+
 def make_extra_keys(
     model_id: Hashable = None, adapter_id: Hashable = None, cache_salt: Hashable = None
 ) -> tuple:
@@ -87,6 +101,26 @@ class PrefixCache:
             and entry.extra_keys == extra_keys
         )
         return entry.block_id if same else None
+
+    def match(
+        self, token_ids: Sequence[int], block_size: int, extra_keys: tuple
+    ) -> tuple[list[bytes], list[int]]:
+        """Hash a prompt's full blocks and find the cached blocks that hold its longest prefix;
+        returns ``(hashes, hits)``. Changes nothing.
+
+        The hits run from the first block to the first miss, and never cover the whole prompt:
+        its last token must be computed to get logits, so at most ``(len(token_ids) - 1) //
+        block_size`` blocks hit (vLLM and nano-vllm cap it the same way).
+        """
+        hashes = hash_blocks(token_ids, block_size, extra_keys)
+        hits: list[int] = []
+        for j in range((len(token_ids) - 1) // block_size):
+            tokens = token_ids[j * block_size : (j + 1) * block_size]
+            block = self.lookup(hashes[j], parent_hash(hashes, j), tokens, extra_keys)
+            if block is None:
+                break
+            hits.append(block)
+        return hashes, hits
 
     def insert(
         self,

@@ -33,24 +33,41 @@ copy-on-write is free (the swap-in could take it, and the later copy would read 
 
 Call these functions through the manager (``kv.swap_out(ids)``, ``kv.swap_in(ids)``,
 ``kv.blocks_to_swap_in(ids)``): they are its methods' bodies, kept in a file of their own so that
-each file reads in one sitting. Like invariants.py, this module reads -- and here also writes --
-the manager's private state: its tables (``_tables`` on the GPU, ``_swapped`` on the CPU), pending
-copy-on-write copies and counters.
+each file reads in one sitting. They use a small part of the manager, listed in :class:`Manager`
+below; tables move between the GPU and the CPU side through ``SequenceTables.to_cpu`` / ``to_gpu``.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Hashable, Iterable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from pagedlearn.block_allocator import BlockAllocator
+from pagedlearn.block_events import BlockEvents
+from pagedlearn.block_table import BlockTable
 from pagedlearn.errors import OutOfBlocksError, PagedLearnError
-
-if TYPE_CHECKING:
-    from pagedlearn.kv_cache_manager import KVCacheManager
+from pagedlearn.sequence_tables import SequenceTables, id_list
 
 
-def swap_out(kv: KVCacheManager, seq_ids: Iterable[Hashable]) -> list[tuple[int, int]]:
+class Manager(Protocol):
+    """What swapping uses of :class:`~pagedlearn.kv_cache_manager.KVCacheManager`, named here
+    instead of imported (a lower file never imports a higher one)."""
+
+    allocator: BlockAllocator  # the GPU pool
+    cpu_allocator: BlockAllocator | None  # the CPU pool; None: no swapping
+    _seqs: SequenceTables  # every sequence's table, on the GPU or swapped out
+    _events: BlockEvents  # announces swap_out and swap_in
+    _copies: list[tuple[int, int]]  # the pending copy-on-write copies (read here, never written)
+
+    def _allocate(self, n: int, seq_id: Hashable, what: str = "") -> list[int]:
+        """``n`` GPU blocks for ``seq_id``; a cached block it evicts is announced."""
+
+    def _index_blocks(self, seq_id: Hashable, table: BlockTable, start: int = 0) -> None:
+        """Register the table's full blocks in the prefix cache (with caching on)."""
+
+
+def swap_out(kv: Manager, seq_ids: Iterable[Hashable]) -> list[tuple[int, int]]:
     """Move a group of sequences (the samples of one request) to the CPU pool; returns the
     ``(gpu_block, cpu_block)`` copies the engine applies first, before swap-in and
     copy-on-write copies.
@@ -61,7 +78,7 @@ def swap_out(kv: KVCacheManager, seq_ids: Iterable[Hashable]) -> list[tuple[int,
     Raises :class:`OutOfBlocksError`, changing nothing, when the CPU pool lacks room.
     """
     ids = _group(kv, seq_ids, swapped=False, what="swap_out")
-    tables = [kv._tables[s] for s in ids]
+    tables = [kv._seqs.gpu[s] for s in ids]
     refs = Counter(b for t in tables for b in t.block_ids)  # GPU block -> group references
     _check_copy_order(kv, "swap_out", reads=refs.keys())
     cpu = kv.cpu_allocator
@@ -76,13 +93,12 @@ def swap_out(kv: KVCacheManager, seq_ids: Iterable[Hashable]) -> list[tuple[int,
         gpu = t.block_ids
         kv.allocator.free(gpu[::-1])  # tail first, as in free_sequence
         t.block_ids = [to_cpu[b] for b in gpu]
-        kv._swapped[s] = kv._tables.pop(s)
-        kv.trace.emit("swap_out", gpu, (s,), cpu_blocks=list(t.block_ids))
-    kv._counters["swap_out_blocks"] += len(refs)
+        kv._seqs.to_cpu(s)
+        kv._events.swap_out(s, gpu, t.block_ids)
     return list(to_cpu.items())
 
 
-def swap_in(kv: KVCacheManager, seq_ids: Iterable[Hashable]) -> list[tuple[int, int]]:
+def swap_in(kv: Manager, seq_ids: Iterable[Hashable]) -> list[tuple[int, int]]:
     """Bring a swapped-out group back to the GPU; returns the ``(cpu_block, gpu_block)``
     copies the engine applies after this step's swap-out copies, before copy-on-write ones.
 
@@ -94,7 +110,7 @@ def swap_in(kv: KVCacheManager, seq_ids: Iterable[Hashable]) -> list[tuple[int, 
     """
     ids = _group(kv, seq_ids, swapped=True, what="swap_in")
     _check_copy_order(kv, "swap_in")
-    tables = [kv._swapped[s] for s in ids]
+    tables = [kv._seqs.cpu[s] for s in ids]
     refs = Counter(b for t in tables for b in t.block_ids)  # CPU block -> group references
     a = kv.allocator
     if len(refs) > a.num_free_blocks:
@@ -110,32 +126,27 @@ def swap_in(kv: KVCacheManager, seq_ids: Iterable[Hashable]) -> list[tuple[int, 
     for s, t in zip(ids, tables, strict=True):
         cpu_blocks = t.block_ids
         t.block_ids = [to_gpu[c] for c in cpu_blocks]
-        kv._tables[s] = kv._swapped.pop(s)
-        kv.trace.emit("swap_in", t.block_ids, (s,), cpu_blocks=cpu_blocks)
-        if kv.prefix_cache is not None:  # the KV is back: let other requests find it
-            for j in range(len(t.block_hashes)):
-                kv._register(s, t, j)
-    kv._counters["swap_in_blocks"] += len(refs)
+        kv._seqs.to_gpu(s)
+        kv._events.swap_in(s, t.block_ids, cpu_blocks)
+        kv._index_blocks(s, t)  # the KV is back: let other requests find it
     return list(to_gpu.items())
 
 
-def blocks_to_swap_in(kv: KVCacheManager, seq_ids: Iterable[Hashable]) -> int:
+def blocks_to_swap_in(kv: Manager, seq_ids: Iterable[Hashable]) -> int:
     """GPU blocks ``swap_in(seq_ids)`` would allocate: the group's distinct CPU blocks."""
     ids = _group(kv, seq_ids, swapped=True, what="blocks_to_swap_in")
-    return len({b for s in ids for b in kv._swapped[s].block_ids})
+    return len({b for s in ids for b in kv._seqs.cpu[s].block_ids})
 
 
-def _group(
-    kv: KVCacheManager, seq_ids: Iterable[Hashable], swapped: bool, what: str
-) -> list[Hashable]:
+def _group(kv: Manager, seq_ids: Iterable[Hashable], swapped: bool, what: str) -> list[Hashable]:
     """Check a swap group: distinct ids, at least one, all swapped out or all on the GPU."""
     if kv.cpu_allocator is None:
         raise PagedLearnError(f"{what}: swap needs num_cpu_blocks > 0")
-    ids = kv._id_list(seq_ids, what)
+    ids = id_list(seq_ids, what)
     if not ids:
         raise PagedLearnError(f"{what} needs at least one sequence id")
     for s in ids:
-        if (kv._where(s) is kv._swapped) != swapped:
+        if kv._seqs.is_swapped(s) != swapped:
             state = "is not swapped out" if swapped else "is already swapped out"
             raise PagedLearnError(f"{what}: sequence {s!r} {state}")
     if len(set(ids)) != len(ids):
@@ -144,7 +155,7 @@ def _group(
     return ids
 
 
-def _check_copy_order(kv: KVCacheManager, what: str, reads: Iterable[int] | None = None) -> None:
+def _check_copy_order(kv: Manager, what: str, reads: Iterable[int] | None = None) -> None:
     """Refuse a swap whose copies, run before the pending copy-on-write ones, would move the
     wrong KV: ``swap_out`` reading a block that waits for its copy, or ``swap_in`` while a
     pending copy's block is free (swap_in could take it; the copy would then read or
