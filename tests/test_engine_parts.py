@@ -8,6 +8,7 @@ from engine_cases import PROMPTS, assert_pool_clean, greedy, make_llm
 
 from pagedlearn import SamplingParams
 from pagedlearn.engine.sampler import Sampler
+from pagedlearn.engine.stats import queue_changes
 from pagedlearn.errors import PagedLearnError
 from pagedlearn.kv_cache import KVCache, KVCacheSpec
 from pagedlearn.models import load
@@ -98,3 +99,44 @@ def test_stats_after_each_step_add_up():
         assert s.bookkeeping_time >= 0 and s.forward_time <= s.step_time
         assert s.num_prefill_seqs + s.num_decode_seqs <= s.num_batched_tokens
     assert seen[-1].num_finished == 4 and [s.step for s in seen] == list(range(1, len(seen) + 1))
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_queue_changes_read_the_policy_back_from_a_recording(mode):
+    # A pool too small for all four: "b" (three samples) is preempted as one group and comes back
+    # before the later arrivals "c" and "d" are admitted.
+    llm = make_llm(num_blocks=16, preemption_mode=mode)
+    engine = llm.engine
+    log = engine.record()
+    arrival = ["a", "b", "c", "d"]
+    engine.add_request("a", PROMPTS[1], greedy(12))
+    engine.add_request("b", PROMPTS[0], SamplingParams(n=3, max_tokens=12, ignore_eos=True, seed=0))
+    engine.add_request("c", PROMPTS[3], greedy(12))
+    engine.add_request("d", PROMPTS[2], greedy(12))
+    while engine.has_unfinished_requests():
+        engine.step()
+    changes = queue_changes(log)
+    frames = [e.info for e in log.events if e.kind == "step"]
+    assert (
+        [c.step for c in changes] == [f["step"] for f in frames] == list(range(1, len(frames) + 1))
+    )
+    for c, f in zip(changes, frames, strict=True):
+        assert (len(c.running), len(c.swapped), len(c.waiting)) == (
+            f["stats"]["num_running"],
+            f["stats"]["num_swapped"],
+            f["stats"]["num_waiting"],
+        )
+        assert not (c.admitted and c.swapped), "admitted while a request was swapped out"
+        for p in c.preempted:  # the youngest go first
+            assert all(arrival.index(p) > arrival.index(r) for r in c.running)
+    first_admitted = list(dict.fromkeys(r for c in changes for r in c.admitted))
+    assert first_admitted == arrival  # first come, first served
+    preempted = [r for c in changes for r in c.preempted]
+    assert "b" in preempted
+    back = [r for c in changes for r in (c.swapped_in if mode == "swap" else c.admitted)]
+    assert back.count("b") == (preempted.count("b") + (mode == "recompute"))
+    b_back = max(c.step for c in changes if "b" in c.swapped_in + c.admitted)
+    assert b_back <= min(c.step for c in changes if "c" in c.admitted)  # earlier arrival first
+    groups = [e.seqs for e in log.events if e.kind == "preempt" and e.seqs[0].startswith("b.")]
+    assert groups and all(set(g) == {"b.0", "b.1", "b.2"} for g in groups)  # all or nothing
+    assert sorted(r for c in changes for r in c.finished) == arrival
