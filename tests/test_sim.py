@@ -119,9 +119,9 @@ def test_paper_command_prints_every_experiment_and_draws_it(tmp_path):
     paths = paper.report(quick=True, out=lines.append, figures_dir=tmp_path)
     text = "\n".join(lines)
     headings = ("Figure 2", "Figure 13", "Sensitivity", "Figure 18b", "Figure 15", "Prefix")
-    for heading in (*headings, "Figure 19"):
+    for heading in (*headings, "Figure 19", "Figure 12"):
         assert heading in text
-    assert len(paths) == 7 and all(p.stat().st_size > 10_000 for p in paths)
+    assert len(paths) == 8 and all(p.stat().st_size > 10_000 for p in paths)
 
 
 @pytest.mark.slow

@@ -11,5 +11,7 @@ Read in this order:
 - ``paper``: Figures 2, 13 and 18b (memory side), and the spread sensitivity, beside the paper.
 - ``sharing``: Figure 15, parallel sampling and beam search as forked sequences.
 - ``prefix``: prefix caching on shared system prompts and multi-turn chats, cold and warm.
+- ``swap_recompute``, ``serving_latency``: measured on the real engine, not simulated: Figure 19
+  (swap vs recompute) and Figure 12 (normalized latency against request rate).
 - ``plots``: one matplotlib figure per experiment (``figures/``).
 """

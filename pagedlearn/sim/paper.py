@@ -93,9 +93,13 @@ def figure2(workload="sharegpt", num_requests=None, spread=1.0, seed=0, pool_slo
 def figure13(workload="sharegpt", num_requests=None, spread=1.0, seed=0, pool_slots=POOL_SLOTS):
     """Figure 13: the average number of requests batched together, per system.
 
-    Saturated arrivals: the paper's rates (2 req/s ShareGPT, 30 req/s Alpaca) sit where its
-    systems are memory-bound, and the batch size a memory model allows does not depend on how
-    long a step takes. ``preemptions`` counts vLLM's recompute preemptions.
+    Saturated arrivals (every request at time 0): the batch is then what each memory model
+    allows, memory's limit, whatever a step takes. The paper ran ShareGPT at 2 req/s and Alpaca
+    at 30 req/s. ShareGPT's long requests fill memory at that rate (our saturated batches land
+    near the paper's). Alpaca's short requests do not: Max stays at its memory limit, but
+    vLLM's batch is set by demand (Little's law: rate x time a request stays, which depends on
+    the step time), below what memory allows -- :func:`rate_sensitivity` shows it, and chapter
+    08 tells it. ``preemptions`` counts vLLM's recompute preemptions.
     """
     num_requests = num_requests or NUM_REQUESTS[workload]
     rows = []
@@ -196,7 +200,8 @@ def format_rows(rows, digits=1) -> str:
 
 
 def report(quick: bool = False, out=print, figures_dir=None) -> list:
-    """Run every experiment and print ours beside the paper's (``python -m pagedlearn paper``).
+    """Run every experiment and print ours beside the paper's (``python -m pagedlearn paper``):
+    the memory simulations, then Figures 19 and 12, measured on this machine's engine.
 
     With ``figures_dir``, also write one PNG per experiment there; returns their paths.
     """
@@ -247,6 +252,14 @@ def report(quick: bool = False, out=print, figures_dir=None) -> list:
     )
     out(format_rows(fig19, digits=3))
     out(swap_recompute.PAPER_FIG19)
+    from pagedlearn.sim import serving_latency
+
+    fig12, fig12_summary = serving_latency.figure12(quick)
+    out(f"\nFigure 12 -- normalized latency vs request rate, measured on this machine "
+        f"({serving_latency.describe(fig12_summary)})")  # fmt: skip
+    out(format_rows(serving_latency.display_rows(fig12), digits=2))
+    out(serving_latency.verdict(fig12_summary))
+    out(serving_latency.PAPER_FIG12)
     if figures_dir is None:
         return []
     from pagedlearn.sim import plots
@@ -259,6 +272,7 @@ def report(quick: bool = False, out=print, figures_dir=None) -> list:
         "paper_spread_sensitivity": plots.plot_sensitivity(sensitivity),
         "prefix_caching": plots.plot_prefix_caching(caching),
         "paper_fig19_swap_recompute": swap_recompute.plot_figure19(fig19),
+        "paper_fig12_latency": plots.plot_figure12(fig12, fig12_summary),
     }
     paths = plots.save_all(figures, figures_dir)
     out("\nfigures: " + ", ".join(str(p) for p in paths))

@@ -174,6 +174,47 @@ def plot_prefix_caching(rows):
     return fig
 
 
+@_styled
+def plot_figure12(rows, summary):
+    """Lines over the request rate: normalized latency (left) and requests running together
+    (right), paged engine vs max-length reservation, with the target latency and each system's
+    sustainable rate (rows and summary of :func:`pagedlearn.sim.serving_latency.measure`)."""
+    fig = Figure(figsize=(11, 5))
+    latency, running = fig.subplots(1, 2)
+    systems = {"paged": ("paged (vLLM-style)", OKABE_ITO[3], "o"),
+               "max": ("max-length reservation (Orca (Max)-style)", OKABE_ITO[0], "s")}  # fmt: skip
+    for system, (label, colour, marker) in systems.items():
+        mine = [r for r in rows if r["system"] == system]
+        rates = [r["rate"] for r in mine]
+        kw = {"color": colour, "marker": marker, "linewidth": 2}
+        latency.plot(rates, [1e3 * r["normalized_latency"] for r in mine], label=label, **kw)
+        running.plot(rates, [r["mean_running"] for r in mine], **kw)
+        if summary[f"sustainable_{system}"]:
+            latency.axvline(summary[f"sustainable_{system}"], color=colour, linestyle=":")
+    target = 1e3 * summary["target_latency"]
+    said = f"target: {summary['knee']:g} x unloaded = {target:.2f} ms/token"
+    latency.axhline(target, color="grey", linestyle="--", linewidth=1, label=said)
+    limit = summary["budget_tokens"] / summary["max_len"]
+    running.axhline(limit, color=OKABE_ITO[0], linestyle="--", linewidth=1,
+                    label=f"max-length reservations that fit: {limit:.0f}")  # fmt: skip
+    running.legend(loc="upper left", fontsize=10)
+    latency.set_ylabel("normalized latency (ms / output token)")
+    latency.set_title("latency (dotted: sustainable rates)")
+    running.set_ylabel("mean requests running together")
+    running.set_title("why: how many fit in the KV budget")
+    for ax in (latency, running):
+        ax.set_xlabel("request rate (requests / s, simulated clock)")
+        ax.set_ylim(bottom=0)
+    ratio = f"{summary['ratio']:.2f}x" if summary["ratio"] else "n/a"
+    fig.suptitle(f"Figure 12, measured: {summary['model']}, context {summary['max_len']}, "
+                 f"{summary['budget_tokens']} KV slots, clock: {summary['clock']}\n"
+                 f"sustainable rate, paged / max: {ratio} (paper: 2.7-8x vs Orca (Max), "
+                 f"1.7-2.7x vs Orca (Oracle))")  # fmt: skip
+    fig.legend(*latency.get_legend_handles_labels(), loc="lower center", ncol=3, fontsize=10)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    return fig
+
+
 def save_all(figures: dict, directory) -> list:
     """Write each figure as ``<name>.png`` into ``directory``; return the paths."""
     from pathlib import Path
