@@ -6,8 +6,9 @@ seeded and offline, so that running the command twice gives the same pictures:
 - ``block_pool.png``, ``block_tables.png``, ``memory_timeline.png``: the demo's mixed batch
   (:mod:`pagedlearn.demo`: chats sharing a system prompt, parallel sampling, beam search, a
   cancelled request, preemption) served by the engine on the offline ``tiny-gpt2`` with the
-  PyTorch attention backend, recorded, and drawn from the recording at the step with the most
-  shared blocks (the replay draws exactly what the live view showed);
+  PyTorch attention backend, recorded, and drawn from the recording at the step that best shows
+  scattered and shared blocks (:func:`headline_frame`; the replay draws exactly what the live
+  view showed);
 - ``reservation_vs_paging.png``, ``fragmentation.png``: the same requests under max-length
   contiguous reservation and under paging, on the simulator with the real ``KVCacheManager``;
 - ``paper_*.png``, ``prefix_caching.png``: the paper's memory figures (``python -m pagedlearn
@@ -16,6 +17,7 @@ seeded and offline, so that running the command twice gives the same pictures:
 
 from __future__ import annotations
 
+from itertools import pairwise
 from pathlib import Path
 
 DEMO_MODEL = "tiny-gpt2"  # offline and seeded: the same weights, so the same run, everywhere
@@ -53,15 +55,58 @@ def record_demo_run(model: str = DEMO_MODEL, block_size: int = 16):
     return log
 
 
-def busiest_frame(frames):
-    """The frame worth a picture: the most shared blocks, then the fullest pool."""
+def interleavings(state) -> int:
+    """How often one request's physical blocks are split by another request's blocks.
+
+    For each request (its samples or beams count as one), take the blocks its block tables point
+    at in block-id order; every pair of neighbours with a block of *another* request between them
+    counts one. Free blocks in between do not count: a gap is not a neighbour. 0 means every
+    request sits in one run of ids, as it would under contiguous allocation; paging makes it
+    grow, because a request that needs a new block gets whichever block the free queue hands
+    out, wherever that is.
+
+    >>> from pagedlearn.viz.state import build_state
+    >>> # a: blocks 0, 1, 3; b: block 2 -- a is split by b once; b sits between a's, not split
+    >>> interleavings(build_state(5, 4, {"a": [0, 1, 3], "b": [2]}, {}, {}, {}, {}))
+    1
+    """
+    holders = [{state.group_of(s) for s in b.owners} for b in state.blocks]
+    count = 0
+    for group in set().union(*holders):
+        ids = [i for i, h in enumerate(holders) if group in h]
+        for lo, hi in pairwise(ids):
+            count += any(holders[i] and group not in holders[i] for i in range(lo + 1, hi))
+    return count
+
+
+def headline_frame(frames):
+    """The frame worth the README's first pictures: the one that shows what paging buys.
+
+    A picture of a paged pool should show two things that one contiguous region per request
+    does not allow: one request's blocks scattered among other requests' (:func:`interleavings`),
+    and one block reached from several block tables (shared blocks, refcount > 1: a prefix-cache
+    hit, a fork). So the score is their sum; ties go to the fullest pool (fewest free blocks),
+    then to the frame holding the most tokens (a block just handed out holds one token, a bar too
+    thin to see), then to the earliest.
+    ``frames``: ``[(event index, PoolState), ...]`` as :func:`~pagedlearn.viz.replay_states`
+    gives them.
+
+    A fresh pool hides scattering: the free queue hands never-used blocks out in id order, so
+    early allocations come out as runs of consecutive ids. Scattering appears once requests have
+    finished or been preempted and their freed blocks are handed out again: one at a time to
+    requests whose tokens fill their last block, and to the prompts admitted next.
+    """
     from pagedlearn.viz.state import FREE, SHARED
 
     def score(frame):
         state = frame[1]
-        return (state.count(SHARED), state.num_blocks - state.count(FREE))
+        return (
+            interleavings(state) + state.count(SHARED),
+            -state.count(FREE),
+            sum(b.num_tokens for b in state.blocks),
+        )
 
-    return max(frames, key=score)
+    return max(frames, key=score)  # max keeps the first of equal scores: the earliest
 
 
 def make_figures(directory="figures", paper: bool = True, quick: bool = False, out=print):
@@ -82,7 +127,7 @@ def make_figures(directory="figures", paper: bool = True, quick: bool = False, o
     out(f"serving the demo's mixed batch on {DEMO_MODEL} (recorded) ...")
     log = record_demo_run()
     frames = replay_states(log)
-    _, state = busiest_frame(frames)
+    _, state = headline_frame(frames)
     figures = {
         "block_pool": draw_block_pool(state, title=f"The physical KV blocks at step {state.step}"),
         "block_tables": draw_block_tables(state, title=f"Block tables at step {state.step}"),
