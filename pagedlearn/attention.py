@@ -19,7 +19,8 @@ Read them in order; each computes the same numbers as the one before, a step clo
    so it is what the engine runs for decode on a CPU.
 
 Plus :func:`write_kv_ref`, the KV write ("reshape_and_cache"): token ``i``'s K/V go to slot
-``slot_mapping[i]`` = ``block_id * block_size + offset``; a negative slot means "skip" (padding).
+``slot_mapping[i]`` = ``block_id * block_size + offset``; a negative slot means "skip" (padding);
+and :func:`decode_flops_and_bytes`, the arithmetic that says why decode is memory-bound.
 
 Shapes use the cache layout of :mod:`pagedlearn.attention_inputs`:
 ``key_cache, value_cache: (num_blocks, block_size, num_kv_heads, head_dim)``. Everything is
@@ -235,3 +236,32 @@ def write_kv_ref(key, value, key_cache, value_cache, slot_mapping, *, check_valu
     blocks, offsets = slots // shape.block_size, slots % shape.block_size
     key_cache[blocks, offsets] = key[keep]
     value_cache[blocks, offsets] = value[keep]
+
+
+def decode_flops_and_bytes(context_lens, num_heads, num_kv_heads, head_dim, elem_size):
+    """``(flops, bytes)`` of one decode-attention call (one layer): why decode is memory-bound.
+
+    FLOPs: for each of a sequence's ``n`` cached tokens, each query head takes a dot product
+    with its key (``2 * head_dim``: a multiply and an add per element) and adds its value,
+    weighted (``2 * head_dim`` more): ``4 * n * num_heads * head_dim``. The softmax's few
+    operations per score are left out. Bytes: what must cross memory at least once, K and V of
+    every cached token (``2 * n * num_kv_heads * head_dim`` values) plus q read and the output
+    written (``2 * num_heads * head_dim``); block-table reads are not counted.
+    ``benchmarks/bench_attention.py`` counts bytes the same way for its GB/s.
+
+    Their ratio, the arithmetic intensity, tends to ``2 * (num_heads / num_kv_heads) / elem_size``
+    FLOPs per byte on long contexts: a K/V value, once read, serves only the query heads of its
+    group. A bigger batch does not raise it, since every sequence reads its own K/V (unlike the
+    weights of the linear layers, which the whole batch shares).
+
+    >>> flops, nbytes = decode_flops_and_bytes([4096], 12, 12, 64, elem_size=2)  # GPT-2-like, fp16
+    >>> flops, nbytes, round(flops / nbytes, 2)
+    (12582912, 12585984, 1.0)
+    >>> flops, nbytes = decode_flops_and_bytes([4096] * 8, 32, 8, 128, elem_size=2)  # GQA, group 4
+    >>> round(flops / nbytes, 2)
+    4.0
+    """
+    tokens = sum(int(n) for n in context_lens)
+    flops = 4 * tokens * num_heads * head_dim
+    nbytes = (2 * tokens * num_kv_heads + 2 * len(context_lens) * num_heads) * head_dim * elem_size
+    return flops, nbytes
