@@ -18,8 +18,9 @@ with num_splits=1 and with ``suggest_num_splits``. Times are medians of
 - that bandwidth as a % of the device's copy bandwidth, measured in the same run with a large
   device-to-device copy, which reads and writes every byte: copy GB/s = 2 * copy_bytes / s / 1e9;
 - x SDPA: the best paged time / the time of ``torch.nn.functional.scaled_dot_product_attention``
-  on the same K/V laid out contiguously, the "no paging" baseline (the paper reports paging
-  costing 20-26% in kernel latency);
+  on the same K/V laid out contiguously: our "no paging" baseline. It is not the paper's: its
+  Figure 18a (section 7.2) measures its paged kernel 20-26% slower than FasterTransformer's
+  attention kernel, while this ratio also holds the difference between two different kernels;
 - x flex: the best paged time / the time of PyTorch's FlexAttention paged attention
   (``torch.nn.attention.experimental._paged_attention``) on the same blocks, where it runs;
 - err: max abs difference from ``pagedlearn.attention.paged_attention_ref`` (small rows only).
