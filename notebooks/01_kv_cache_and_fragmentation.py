@@ -26,8 +26,9 @@
 #
 # - why the KV cache grows by one key and one value vector per layer and KV head for every token,
 #   and the bytes-per-token formula `2 x layers x kv_heads x head_dim x bytes per element`;
-# - how big it is for GPT-2 and for OPT-13B, the paper's model (the paper's 800 KB per token and
-#   1.6 GB for one 2048-token request), and how it grows with batch size and length;
+# - how big it is for GPT-2 and for OPT-13B, the paper's model (819,200 bytes per token, which
+#   the paper writes 800 KB; 1.56 GiB, the paper's 1.6 GB, for one 2048-token request), and how
+#   it grows with batch size and length;
 # - what reserving one contiguous chunk of the maximum length per request wastes: **reserved**
 #   slots, **internal fragmentation** and **external fragmentation**;
 # - the paper's Figure 2, recomputed: how much of the pool holds real token states under
@@ -102,7 +103,17 @@ with torch.no_grad():
 # ## GPT-2 and OPT-13B, from their configs
 #
 # The paper's experiments use OPT-13B: 40 layers, 40 heads of 128 dimensions (hidden size 5120),
-# fp16. Its section 3 computes 2 (key and value) x 5120 x 40 layers x 2 bytes = 800 KB per token.
+# fp16. Its section 3 computes 2 (key and value) x 5120 x 40 layers x 2 bytes = 800 KB per token,
+# and up to 1.6 GB for one request of OPT's 2048 tokens.
+#
+# **A word on units.** 2 x 5120 x 40 x 2 = 819,200 bytes: that is 800 x 1024 bytes, so the
+# paper's "KB" is a *kibibyte* (KiB, 1024 bytes), not a kilobyte (kB, 1000 bytes). Its budget is
+# binary too: 12 GB of KV cache holds 15.7K token slots (its Table 1) only if GB means GiB
+# (12 x 2^30 / 819,200 = 15,728; with 10^9 bytes it would be 14,648). Its 1.6 GB for a 2048-token
+# request is 2048 x 800 KiB = 1,600 MiB, rounded; exactly, that is 1.56 GiB, or 1.68 GB in
+# powers of ten. **This chapter writes KiB, MiB, GiB for powers of 2 and kB, GB for powers of
+# 10**, and prints both where it matters.
+#
 # We build GPT-2 small (the default `GPT2Config()`) and OPT-13B from transformers' config classes
 # on the `meta` device -- real model objects with every parameter's shape but no memory -- and
 # ask the same `kv_cache_spec` as above, in fp16 as a server would run them.
@@ -128,16 +139,23 @@ for label, config in configs.items():
     print(f"{label:13s} {params[label] / 1e9:5.2f} B parameters | {specs[label].formula()}")
 
 opt = specs["OPT-13B"]
-print(f"\nOPT-13B: {opt.bytes_per_token:,} B = {opt.bytes_per_token / 2**10:.0f} KiB per token;")
+per_token = opt.bytes_per_token
+print(
+    f"\nOPT-13B: {per_token:,} B = {per_token / 1e3:.1f} kB = {per_token / 2**10:.0f} KiB per token"
+)
 print(
     f"equals pagedlearn.sim.paper.BYTES_PER_TOKEN: {opt.bytes_per_token == paper.BYTES_PER_TOKEN}"
 )
 full = max_len["OPT-13B"] * opt.bytes_per_token
-print(f"one {max_len['OPT-13B']}-token request: {full / 1e9:.2f} GB = {full / 2**30:.2f} GiB of KV")
+print(
+    f"one {max_len['OPT-13B']}-token request: {full / 2**20:,.0f} MiB = {full / 2**30:.2f} GiB "
+    f"= {full / 1e9:.2f} GB of KV"
+)
 
 # %% [markdown]
-# That is a lot per request. On the paper's A100-40GB, OPT-13B's fp16 weights take about 26 GB,
-# and about 12 GB are left for the KV cache (its Figure 1).
+# That is a lot per request. On the paper's A100-40GB, OPT-13B's fp16 weights take 26 GB, and
+# 12 GB (GiB, see above) are left for the KV cache (its Figure 1 and Table 1: 15.7K token slots).
+# The weights line below is in decimal GB, the budget in GiB.
 
 # %%
 budget = 12 * 2**30
@@ -175,19 +193,29 @@ for label, s in specs.items():
 # %% [markdown]
 # ## Reserving the maximum length: three kinds of waste
 #
-# Before PagedAttention, serving systems (FasterTransformer, Orca) stored each request's KV cache
-# in one **contiguous** chunk, because the attention kernels wanted it contiguous. The output
-# length is not known in advance, so the chunk is reserved for the most the request could reach
-# (OPT's 2048 tokens) when it is admitted. The paper (section 3, Figure 3) names three kinds of
-# waste in that memory:
+# Before PagedAttention, serving systems (the paper's section 3 cites FasterTransformer and Orca)
+# stored each request's KV cache in one **contiguous** chunk, because deep learning frameworks
+# expect a tensor to sit in contiguous memory. The output length is not known in advance, so the
+# chunk is reserved for the most the request could reach (OPT's 2048 tokens) when it is
+# admitted. The paper (section 3, Figure 3) names three kinds of waste in that memory:
 #
 # - **reserved**: slots held now for tokens the request *will* generate later. They will be used
 #   in the end, but while they wait no other request can use them;
 # - **internal fragmentation**: slots the request will *never* use, because it stops (end of
 #   sequence) before the maximum length;
 # - **external fragmentation**: free memory between chunks that is too small, or not shaped
-#   right, for the next request's chunk (the allocator in these systems is a buddy allocator,
-#   which also rounds every chunk up to a power of two).
+#   right, for the next request's chunk. Section 3 blames the memory allocator and names the
+#   buddy allocator as an example.
+#
+# The buddy allocator is not a claim about what FasterTransformer or Orca ship. Orca is not
+# public, so for its experiments the paper implements its own Orca and *assumes* that it places
+# each KV cache with the buddy allocation algorithm (section 6.1). Its three variants differ
+# only in how much they reserve per request: **Orca (Oracle)** exactly the final length (an
+# upper bound no real system reaches: it knows the output length in advance), **Orca (Pow2)**
+# the output length rounded up to a power of two (at most 2x over), **Orca (Max)** up to the
+# model's maximum sequence length, 2048 tokens. The project's baselines follow that setup on a
+# buddy allocator of their own (`pagedlearn/sim/buddy.py`), which also rounds every chunk up to a
+# power of two; its Max reserves each request's own limit, prompt + `max_tokens`.
 #
 # Paging replaces the chunk with fixed-size blocks taken one at a time: nothing is reserved,
 # only the last block of a sequence can be partly empty, and any free block fits any request.
@@ -212,11 +240,11 @@ draw_reservation_vs_paging(few, pool_slots=1024, block_size=16)
 #
 # ## The paper's Figure 2, recomputed
 #
-# The paper's Figure 2 measures this on OPT-13B serving ShareGPT-like requests on the 12 GiB pool:
-# under Orca (Max), only 20.4% of the KV memory holds token states; under vLLM, 96.3%.
-# `fragmentation_breakdown` serves the same requests under each system -- Orca's three reservation
-# policies (Max: the model's limit; Pow2: the true output length rounded up to a power of two;
-# Oracle: exactly the final length, which no real system knows) and paging with blocks of 16 --
+# The paper's Figure 2 averages where the KV memory went during its section 6.2 experiments
+# (OPT-13B, the 12 GiB pool): under Orca (Max), only 20.4% of the KV memory holds token states;
+# under vLLM, 96.3%. We use ShareGPT-like requests (one of that section's two datasets).
+# `fragmentation_breakdown` serves the same requests under each system -- the three Orca
+# variants above on the buddy allocator, and paging with blocks of 16 --
 # on a saturated server (every request arrives at once), and averages where the pool's slots are
 # over the steps with a queue, when free memory is memory nobody can use.
 
@@ -265,9 +293,12 @@ print(
 # requests run together (the `avg batch` column, the paper's Figure 13) -- which is where vLLM's
 # throughput comes from.
 #
-# Our numbers come from a simulation on the project's own allocators, with request lengths drawn
-# to match the paper's means (the paper does not publish its length distribution); the README and
-# `python -m pagedlearn paper` discuss how much that choice matters.
+# Our numbers come from a simulation on the project's own allocators, with log-normal request
+# lengths whose means match the paper's (161 prompt and 338 output tokens for ShareGPT, its
+# Figure 11) on a large sample; a few hundred requests land near them, as printed above. The
+# paper gives those means and shows the distributions only as histograms, so the shape is our
+# choice (`pagedlearn/sim/workloads.py` states it); the README and `python -m pagedlearn paper`
+# discuss how much that choice matters.
 
 # %% [markdown]
 # ## Exercises

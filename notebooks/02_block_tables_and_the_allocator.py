@@ -253,10 +253,17 @@ draw_block_pool(
 # ## The block-size trade-off
 #
 # Which block size? Small blocks waste little: at most `block_size - 1` slots at the end of each
-# sequence. But a sequence of `n` tokens needs `ceil(n / block_size)` block-table entries, and
-# the attention kernel reads the KV block by block, so tiny blocks mean long tables, more
-# indirection and too little work per block to keep a GPU busy. Large blocks are the reverse, and
-# also share less (only *full* blocks can be shared by prefix caching).
+# sequence. But a sequence of `n` tokens needs `ceil(n / block_size)` block-table entries, each
+# an indirection the attention kernel must follow, and what tiny blocks cost depends on how the
+# kernel walks them. The paper's kernel (its §5.1) assigns a GPU warp to read each block, so a
+# tiny block gives each warp little to read: §7.2 warns that with too small a block vLLM may not
+# fully use the GPU's parallelism to read and process the KV cache. Our Triton kernel (chapter
+# 05) does not go block by block: each step of its loop handles a tile of `TILE_N` tokens (64
+# in fp16 for head_dim up to 128), whatever the block size, and looks up each token's block in
+# the table. So tiny blocks cost it more distinct table entries to load and K/V rows spread over
+# more places in the slab, not less work per step, nor a kernel launch per block. Large blocks
+# are the reverse: short tables, but more slots wasted in last blocks, and less sharing (only
+# *full* blocks can be shared by prefix caching).
 #
 # Let us measure both sides on the real manager. For ShareGPT-like and Alpaca-like requests (the
 # paper's two workloads, lengths drawn to match its Figure 11 means; see
@@ -362,14 +369,16 @@ for workload in ("sharegpt", "alpaca"):
     )
 
 # %% [markdown]
-# What the paper found (section 7.2, Figure 18b, which measures latency on a GPU): with block
-# sizes that are too small, the kernel cannot use the GPU's parallelism when it reads the KV
-# cache; too large, and internal fragmentation grows and sharing becomes less likely. On ShareGPT
-# sizes 16 to 128 performed best; on Alpaca 16 and 32 did, and larger blocks degraded it badly
-# because the sequences are shorter than a block. "Block size 16 is large enough to efficiently
-# utilize the GPU and small enough to avoid significant internal fragmentation in most
-# workloads": vLLM's default is 16, and so is pagedlearn's (`LLM(..., block_size=16)`). Our memory
-# side shows the same shape; the latency side needs the kernels of chapter 06 on a GPU.
+# What the paper found (§7.2, Figure 18b: vLLM's end-to-end latency on a GPU for each block
+# size, ShareGPT and Alpaca traces at fixed request rates): with too small a block, vLLM may not
+# fully use the GPU's parallelism when its kernel reads the KV cache; with too large a one,
+# internal fragmentation grows and sharing becomes less likely. On ShareGPT sizes 16 to 128
+# performed best; on Alpaca 16 and 32 did, and larger blocks degraded it badly because the
+# sequences become shorter than a block. In practice, the authors write, "the block size 16 is
+# large enough to efficiently utilize the GPU and small enough to avoid significant internal
+# fragmentation in most workloads": vLLM's default is 16, and so is pagedlearn's
+# (`LLM(..., block_size=16)`). Our memory side shows the same shape. The latency side needs a
+# GPU: chapter 05 has our kernels and their benchmark.
 #
 # ## Exercises
 #

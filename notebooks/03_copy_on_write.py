@@ -74,7 +74,8 @@ tok = llm.tokenizer
 text = "The paged KV cache keeps keys and values in small blocks of memory, shared where possible."
 prompt = tok.encode(text)[: 2 * BLOCK_SIZE + 2]  # token ids: 2 full blocks + 2 tokens
 print(f"prompt: {len(prompt)} tokens = {tok.decode(prompt)!r}")
-print(f"blocks: {len(prompt) // BLOCK_SIZE} full + 1 holding {len(prompt) % BLOCK_SIZE} tokens")
+full, rest = divmod(len(prompt), BLOCK_SIZE)
+print(f"blocks: {full} full" + (f" + 1 holding {rest} of {BLOCK_SIZE} tokens" if rest else ""))
 
 # %% [markdown]
 # ## Watching the block events
@@ -98,17 +99,22 @@ events = watch(engine)
 params = SamplingParams(n=3, temperature=0.8, seed=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 engine.add_request("s", prompt, params)
 
-# Run until the first copy-on-write, keeping the pool as it was just before that step.
+# Run until the first copy-on-write, keeping the pool as it was just before that step. A copy
+# need not come at all (exercise 1), so stop too when the request has finished.
 before = pool_state(engine)
-while not any(e.kind == "cow_copy" for _, e in events):
+while engine.has_unfinished_requests() and not any(e.kind == "cow_copy" for _, e in events):
     before = pool_state(engine)
     engine.step()
 after = pool_state(engine)
-cow_step = engine.num_steps
+copied = any(e.kind == "cow_copy" for _, e in events)
+cow_step = engine.num_steps if copied else None
 
 for step, e in events:
     print(f"step {step}: {e.kind:8s} blocks {e.blocks}  seqs {e.seqs}")
-print(f"\nfirst copy-on-write in step {cow_step}")
+if copied:
+    print(f"\nfirst copy-on-write in step {cow_step}")
+else:
+    print(f"\nno copy-on-write in the {engine.num_steps} steps the request ran")
 
 # %% [markdown]
 # Read the events in order:
@@ -127,6 +133,7 @@ print(f"\nfirst copy-on-write in step {cow_step}")
 
 # %%
 copies = [e for step, e in events if e.kind == "cow_copy" and step == cow_step]
+assert copies, "no copy-on-write to show (exercise 1?): rerun from the top with a 10-token prompt"
 print("refcounts before:", {b.block_id: b.refcount for b in before.blocks if b.refcount})
 print("refcounts after: ", {b.block_id: b.refcount for b in after.blocks if b.refcount})
 print(f"copies in step {cow_step}: {[e.blocks for e in copies]} (n - 1 = {params.n - 1})")
@@ -310,9 +317,12 @@ for mode in ("parallel", "beam"):
 # %% [markdown]
 # ## Exercises
 #
-# 1. Cut the prompt to `2 * BLOCK_SIZE` tokens (it then ends exactly on a block boundary). Run
-#    the event cell again: in which step does the first `cow_copy` happen now, and why does the
-#    first decode step allocate fresh blocks instead?
+# 1. Cut the prompt to `2 * BLOCK_SIZE` tokens (it then ends exactly on a block boundary), and
+#    run the event cell again watching allocations too:
+#    `events = watch(engine, ("incref", "cow_copy", "free", "allocate"))`. (If no copy comes,
+#    the cell stops when the request finishes.) Does a `cow_copy` happen at all? Into which
+#    block does each sample's first new token go, and is that block shared? (The cells after the
+#    event cell need a copy to show: rerun from the top with the 10-token prompt afterwards.)
 # 2. Change `n=3` to `n=5`. How many copies happen in the copy-on-write step? Check your answer
 #    against the rule "`n` sharers, `n - 1` copies".
 # 3. In the memory comparison, make the prompt 4x longer and the outputs 4x shorter, then the

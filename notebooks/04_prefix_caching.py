@@ -26,21 +26,25 @@
 #
 # **What you will learn**
 #
-# 1. the hash chain `H(parent hash, block tokens, extra keys)`, and why it must include the
+# 1. how automatic prefix caching differs from the shared prefix of the paper's section 4.4,
+#    which the service provider reserves by hand;
+# 2. the hash chain `H(parent hash, block tokens, extra keys)`, and why it must include the
 #    parent: the same tokens after a different prefix hold different K/V (we check it in the KV
 #    tensors);
-# 2. extra keys and the cache salt: no sharing across tenants, adapters or models;
-# 3. cold vs warm cache on a real model: `num_cached_tokens`, the hit rate, and where the shared
-#    blocks are in the pool;
-# 4. LRU eviction under memory pressure, event by event;
-# 5. the hit rate of a shared-system-prompt workload, measured and simulated, and a recorded run
+# 3. extra keys and the cache salt: no sharing across tenants, adapters or models;
+# 4. cold vs warm cache on a real model: `num_cached_tokens`, the hit rate, which blocks hit and
+#    why, and where the shared blocks are in the pool;
+# 5. LRU eviction under memory pressure, event by event;
+# 6. the hit rate of a shared-system-prompt workload, measured and simulated, and a recorded run
 #    to scrub through.
 #
 # **What you need** Nothing beyond the package: everything runs on a CPU in a few seconds.
 # Without network (or without GPT-2 in the local Hugging Face cache) the chapter runs the offline
-# `tiny-gpt2` (random weights: gibberish text, but real blocks, hashes, hits and evictions). With
-# GPT-2 available the same cells run it; prompts are cut to fixed lengths in tokens, so the
-# block pictures keep their shape.
+# `tiny-gpt2` (random weights: gibberish text, but real blocks, hashes, hits and evictions; its
+# tokenizer spends one token per character). With GPT-2 available the same cells run it. The
+# hash-chain and eviction prompts are cut to fixed lengths in tokens, so those pictures keep
+# their shape; the chats are encoded whole, so their token counts and hits depend on the
+# tokenizer (the cells print them, with the reason for each).
 
 # %%
 from pagedlearn.notebook import setup
@@ -52,7 +56,9 @@ from IPython.display import display
 
 from pagedlearn import LLM, KVCacheManager, SamplingParams
 from pagedlearn.prefix_cache import ROOT_HASH, hash_block, make_extra_keys, parent_hash
+from pagedlearn.sim.paper import POOL_SLOTS
 from pagedlearn.sim.prefix import prefix_caching
+from pagedlearn.sim.workloads import attach_tokens, home_server_workload
 from pagedlearn.viz import ReplayView, draw_block_pool, draw_memory_timeline
 
 BLOCK_SIZE = 4
@@ -66,6 +72,32 @@ def block_of(text):
     assert len(ids) >= BLOCK_SIZE, f"{text!r} is shorter than a block"
     return ids[:BLOCK_SIZE]
 
+
+# %% [markdown]
+# ## The paper's shared prefix, and what vLLM automated later
+#
+# The paper shares prompt prefixes too, but by hand. Its section 4.4 ("Shared prefix", Figure 10:
+# a translation task description with examples, followed by each user's input) has the LLM
+# service **provider** reserve, ahead of time, a set of physical blocks for a set of
+# *predefined* shared prefixes -- the way an operating system shares a library's pages among
+# processes. A user prompt that starts with such a prefix maps its first logical blocks to those
+# reserved physical blocks, with the last one marked copy-on-write (chapter 03), so its prefill
+# computes only the user's own tokens. The paper measures it in section 6.4 (Figure 16).
+#
+# What this chapter teaches, and what `pagedlearn` implements, is vLLM's later **automatic
+# prefix caching**, not that mechanism:
+#
+# - **what can be shared**: in the paper, the prefixes the provider declared in advance; here,
+#   any full block of any request;
+# - **how a prompt finds it**: in the paper, the provider knows which prefix a prompt uses; here,
+#   by the block hash of the block's tokens and of everything before them;
+# - **how long it stays**: in the paper, reserved for as long as the provider keeps it; here, as
+#   long as a request uses it, then *cached* (free but findable) until it is evicted, least
+#   recently used first;
+# - **the prefix's partly filled last block**: in the paper, shared and copy-on-write; here,
+#   never cached: every request computes it again.
+#
+# Nobody declares anything here: the cache finds the common prefix on its own.
 
 # %% [markdown]
 # ## The hash chain
@@ -187,11 +219,33 @@ cold = llm.generate(chat1, greedy, use_tqdm=False)[0]
 after_cold = draw_block_pool(llm, per_row=12, title="after chat 1: its full blocks stay cached")
 warm = llm.generate(chat2, greedy, use_tqdm=False)[0]
 
+
+def common_prefix(ids, earlier):
+    """The most leading token ids that ``ids`` shares with one of the ``earlier`` prompts."""
+    best = 0
+    for prev in earlier:
+        n = 0
+        while n < min(len(ids), len(prev)) and ids[n] == prev[n]:
+            n += 1
+        best = max(best, n)
+    return best
+
+
+def expected_hit(ids, earlier):
+    """Tokens a prompt should find: its common prefix, rounded down to whole blocks (only full
+    blocks are cached), and never the prompt's last token (it is computed to get logits)."""
+    return min(common_prefix(ids, earlier), len(ids) - 1) // BLOCK_SIZE * BLOCK_SIZE
+
+
 ids1, ids2 = tok.encode(chat1), tok.encode(chat2)
-common = next(i for i, (a, b) in enumerate(zip(ids1, ids2, strict=False)) if a != b)
+common = common_prefix(ids2, [ids1])
 print(f"chat 1: {len(ids1)} prompt tokens, num_cached_tokens = {cold.num_cached_tokens} (cold)")
 print(f"chat 2: {len(ids2)} prompt tokens, num_cached_tokens = {warm.num_cached_tokens} (warm)")
-print(f"common prefix: {common} tokens = {common // BLOCK_SIZE} full blocks of {BLOCK_SIZE}")
+print(
+    f"common prefix: {common} tokens -> {common // BLOCK_SIZE} full blocks of {BLOCK_SIZE} "
+    f"= {expected_hit(ids2, [ids1])} tokens expected"
+)
+print(f"chat 2's prefill computed {len(ids2) - warm.num_cached_tokens} of its {len(ids2)} tokens")
 stats = engine.stats()
 print(
     f"hit rate so far: {stats.prefix_hit_tokens}/{stats.prefix_query_tokens} prompt tokens "
@@ -203,22 +257,59 @@ display(after_cold)
 # Only *full* blocks are cached, so the hit is the common prefix rounded down to whole blocks:
 # the block where the two chats part ways holds different tokens and is computed again. The
 # grey "cached" blocks above are chat 1's blocks after it finished: free, yet holding K/V that
-# the next request can find.
+# the next request can find. (They include blocks filled by chat 1's generated tokens: a
+# sequence's blocks are cached as they fill, prompt or not.)
 #
-# When the chats run *at the same time*, the hits are not free blocks being revived but live
-# blocks being shared: the system prompt's blocks get refcount 2. We add two new chats and stop
-# after their first step.
+# What the cache saves is counted here in prompt tokens the model did not recompute (the last
+# line of numbers above): the same on every machine. Seconds are another matter. If you time
+# the two `generate` calls, do not expect the time to fall with the tokens: each call also runs
+# decode steps and fixed per-step costs that the cache does not touch (on a CPU the Triton
+# kernels even run in the interpreter), and one CPU timing is noisy -- run each a few times and
+# compare the spread with the difference. Where the skipped prefill shows in seconds is a real
+# model on a GPU with a long shared prefix, in the warm request's time to its first token.
+#
+# Now two chats that run *at the same time*. We add chats 3 and 4 and stop after their first
+# step. Both are admitted in that step, chat 3 first, and each walks its blocks from the start:
+# a block is a hit only if it and every block before it hold exactly the tokens of an earlier
+# sequence (chats 1 and 2, cached; for chat 4, also chat 3, registered when it was admitted).
 
 # %%
-engine.add_request("chat-3", SYSTEM + "User: what is paging?", greedy)
-engine.add_request("chat-4", SYSTEM + "User: and eviction?", greedy)
+chats = {"chat-3": SYSTEM + "User: what is paging?", "chat-4": SYSTEM + "User: and eviction?"}
+for rid, text in chats.items():
+    engine.add_request(rid, text, greedy)
 outs = {o.request_id: o for o in engine.step()}
-print({rid: o.num_cached_tokens for rid, o in outs.items()}, "tokens found in the cache")
+earlier = [ids1, ids2]
+for rid, text in chats.items():
+    ids = tok.encode(text)
+    common = common_prefix(ids, earlier)
+    print(
+        f"{rid}: {len(ids)} prompt tokens, {common} in common with an earlier chat "
+        f"({text[len(SYSTEM) :]!r}) -> {expected_hit(ids, earlier)} expected, "
+        f"{outs[rid].num_cached_tokens} found in the cache"
+    )
+    earlier.append(ids)
 shared = draw_block_pool(llm, per_row=12, title="chats 3 and 4 share the system prompt (x2)")
 while engine.has_unfinished_requests():
     engine.step()
 print(f"hit rate after 4 chats: {engine.stats().prefix_hit_rate:.0f}%")
 display(shared)
+
+# %% [markdown]
+# Read the hits block by block. Both chats start with the system prompt and `User: `, so both
+# find the full blocks that hold it; they stop at the first block whose tokens differ from every
+# earlier chat's. Chat 3 asks "what is paging?", and chat 1 asked "what is a KV cache?": the two
+# agree through `what is `, so chat 3 finds more blocks than chat 4, whose "and eviction?" parts
+# from every earlier chat right after `User: `. Each hit is its common prefix rounded down to
+# whole blocks of 4, as printed (with the offline tokenizer, one token per character, that is
+# 51 common tokens -> 48 found for chat 3 and 43 -> 40 for chat 4; GPT-2's tokenizer gives other
+# counts by the same rule). The trailing tokens of each prompt are computed.
+#
+# In the pool, the blocks both chats found are held by both: refcount 2 (`x2`). Here they were
+# all free and cached, left by chat 1 -- a hit *revives* a cached block, taking it out of the
+# free queue -- and because chats 3 and 4 run together, each revived block that both need is
+# shared, not copied. The blocks only chat 3 found are held once; each chat's own blocks after
+# its hits are new. The hit rate counts every prompt token asked for since the engine started,
+# all four chats.
 
 # %% [markdown]
 # ## Eviction: least recently used first
@@ -339,24 +430,73 @@ print(
 
 # %% [markdown]
 # The first chat of each system prompt misses; the other three find the system prompt's full
-# blocks. The memory timeline of the recorded run shows the same thing over time: blocks in use
-# while the chats run, then cached blocks once they finish.
+# blocks, although all eight arrive together. The manager registers a prompt's full blocks when
+# it admits the prompt (`add_sequence`), so a chat admitted after it, even in the same step,
+# shares them: in that step the first chat's prefill writes them, in every layer before
+# attention reads them. With the offline tokenizer each later chat finds 12 blocks of the bank
+# prompt or 11 of the tutor's: 3 x 48 + 3 x 44 = 276 tokens, as printed. The memory timeline of
+# the recorded run shows the same thing over time: blocks in use while the chats run, then
+# cached blocks once they finish.
 
 # %%
 draw_memory_timeline(log, title="8 chats, 2 system prompts (caching on)")
 
 # %% [markdown]
 # The same measure at server scale, simulated: `pagedlearn.sim.prefix` replays a home-server
-# mix where chats share 3 system prompts (100 tokens each) on the paper's OPT-13B pool, through
-# the same `KVCacheManager` with real token ids -- caching off, on from a cold cache, and warm
-# (the same traffic a second time).
+# mix (`home_server_workload`: 70% chats, 20% long documents, 10% code) in which every chat
+# starts with one of 3 system prompts of 100 tokens, on the paper's OPT-13B pool (15,728 slots,
+# blocks of 16), all requests at once. It runs the same `KVCacheManager` on token ids (random,
+# but the same ids for every chat with the same system prompt) three times: caching off, on
+# from a cold cache, and warm (the same traffic a second time, on the pool the cold run left).
+# No model runs, so there is nothing to time: the simulator counts tokens and blocks.
+#
+# Before reading the rows, the same requests tell us what to expect: a chat's first admission can
+# find at most the full blocks of its system prompt, 6 blocks of 16 = 96 of its 100 tokens.
 
 # %%
-for row in prefix_caching("shared-prompt", num_requests=200 if env.quick else 600):
+n_sim = 200 if env.quick else 600
+rows = prefix_caching("shared-prompt", num_requests=n_sim)
+for row in rows:
     print(
         f"{row['cache']:5s} hit rate {row['hit_rate_pct']:5.1f}%  memory saved "
-        f"{row['memory_saved_pct']:4.1f}%  mean batch {row['mean_batch']:5.1f}"
+        f"{row['memory_saved_pct']:4.1f}%  mean batch {row['mean_batch']:5.1f}  "
+        f"preemptions {row['preemptions']}"
     )
+requests = attach_tokens(home_server_workload(n_sim, seed=0), seed=0)  # what prefix_caching ran
+sim_block = 16  # PagedMemory's default block size
+chats_sim = [r for r in requests if r.prefix_id is not None]
+per_chat = max(r.prefix_len for r in chats_sim) // sim_block * sim_block  # 96
+asked = sum(r.prompt_len for r in requests)  # prompt tokens of every first admission
+firsts = len({r.prefix_id for r in chats_sim})  # the chats that meet a cold cache
+cold_hits, warm_hits = (len(chats_sim) - firsts) * per_chat, len(chats_sim) * per_chat
+chats_line = f"{len(chats_sim)} of {n_sim} requests are chats"
+print(f"\n{chats_line}; their first admissions ask for {asked:,} prompt tokens,")
+print(f"{asked / POOL_SLOTS:.1f} times the pool's {POOL_SLOTS:,} slots before any output")
+print(f"system-prompt hits at most: cold {cold_hits:,} ({100 * cold_hits / asked:.1f}%), ", end="")
+print(f"warm {warm_hits:,} ({100 * warm_hits / asked:.1f}%)")
+print(
+    f"warm can add only the {firsts} first chats' hits: {firsts} x {per_chat} = {firsts * per_chat}"
+)
+
+# %% [markdown]
+# Three things to read from this.
+#
+# - **Cold and warm are almost equal.** A cold cache warms up within the first few chats: only the
+#   first chat of each system prompt misses, and every later one finds those 6 blocks. The warm pass
+#   can add only those first chats' hits (the last line): a fraction of a percent of the tokens
+#   asked for. The rest of the second pass is the same traffic again, but its own tokens (documents,
+#   code, the chats' questions) were evicted long before they come round again: the prompts alone
+#   fill the pool several times over (printed above), and LRU keeps what was used recently. Memory
+#   saved and mean batch are identical, because a hit saves computation, not a block: the same
+#   requests run together and hold the same blocks either way.
+# - **The hit rate is higher than the system prompts alone allow** (compare the rows with the
+#   "system-prompt hits at most" line). The pool is saturated, so requests are preempted (the last
+#   column) and come back later asking again for their whole context, prompt and the tokens they had
+#   generated. Unless those blocks were evicted meanwhile, they find them: pagedlearn's hit rate
+#   counts these re-admissions too (the docstring of `pagedlearn/sim/prefix.py` says so).
+# - **Memory saved is small next to the hit rate**: sharing saves blocks only while chats with the
+#   same system prompt run at the same time, and 96 shared tokens are a small part of what a request
+#   holds once it has generated its output.
 
 # %% [markdown]
 # ## Replay the run
