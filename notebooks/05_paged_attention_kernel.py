@@ -29,10 +29,13 @@
 # - that paged attention is ordinary attention over gathered K/V (`paged_attention_ref`);
 # - the online softmax: a running max and a running sum that let a kernel stream K/V block by
 #   block without ever holding a whole row of scores, and flash-decoding's splits;
-# - how `kernels.paged_attention_decode` runs that loop in Triton, and why its wrapper checks
-#   the tensors before launching;
+# - how `kernels.paged_attention_decode` runs that loop in Triton (its tiles, padding and
+#   masks), and why its wrapper checks the tensors before launching;
+# - how the paper's own kernel (§5.1) and vLLM's first CUDA kernels differ from ours:
+#   PagedAttention is reading K/V through a block table, not the online softmax;
 # - the prefill/extend kernel over a prefix-cache hit, and the KV write (`write_kv`);
-# - on a GPU: what paging costs next to contiguous attention (the benchmark table).
+# - why decode is memory-bound (its arithmetic intensity, worked out), and, on a GPU, the
+#   benchmark table: GB/s, and our kernel next to unpaged attention.
 #
 # **What you need**
 #
@@ -140,9 +143,10 @@ for b in range(NUM_BLOCKS):
 
 # %% [markdown]
 # Kernels and references see only tensors: the caches, a padded `block_tables` tensor and the
-# `context_lens` (DESIGN.md: they know nothing of sequences, requests or the manager). Turning
-# the manager's lists into those tensors is the engine's job; rows are padded with -1, which is
-# never read because each sequence reads only the blocks its length needs.
+# `context_lens` (`pagedlearn/attention_inputs.py` lists what every attention function reads;
+# none of it names a sequence, a request or the manager). Turning the manager's lists into those
+# tensors is the engine's job; rows are padded with -1, which is never read because each
+# sequence reads only the blocks its length needs.
 #
 # `gather_kv` walks one row of the table: logical token `t` is in logical block `t // 4`, which
 # the table maps to a physical block, at offset `t % 4`. It must give back exactly A's
@@ -194,7 +198,10 @@ print("OK: paged_attention_batched == paged_attention_ref")
 # Gathering first needs room for the whole context. A kernel cannot afford that: it streams
 # K/V through a small on-chip buffer, a tile at a time, and the softmax needs the largest score
 # of the *whole* row (to subtract it before `exp`, so nothing overflows) and the sum of all the
-# exponentials (to divide by). The trick is to keep three running values per query head:
+# exponentials (to divide by). One way out is to keep just the row of scores (one number per
+# token, far less than K and V) and pass over it again: vLLM's first kernel does that (section
+# 5 compares). The other never holds the row at all, the *online softmax*, and it is the one
+# our kernel runs. It keeps three running values per query head:
 #
 # - `m_i`, the largest score seen so far;
 # - `l_i`, the sum of `exp(score - m_i)` so far;
@@ -261,9 +268,45 @@ print("OK: ... with num_splits=2 (flash-decoding, then a second kernel merges th
 print(f"grid: {len(seqs)} sequences x {KVH} KV heads x num_splits programs")
 
 # %% [markdown]
-# Hold the kernel's inner loop next to step 4: it is the same update, on tiles of tokens that
-# may span several blocks (`pos // BLOCK_SIZE` picks each token's logical block), with masked
-# loads so that nothing past a sequence's length is read. This is the loop, as it is in the file:
+# **Tiles, padding and masks.** The loop is written in a few sizes fixed at launch
+# (`tl.constexpr`; `launch_constants` in `kernels/decode_attention.py` picks them), and masks
+# make them safe for any length. The next cell prints them for this section's tensors.
+#
+# - `TILE_N`, the tokens of K/V one loop iteration handles (`tile_tokens` in
+#   `kernels/backend.py`): 64 for fp16/bf16 rows up to head_dim 128, halved for float32 or
+#   head_dim 256. Our tensors are float32, so 32. The tile does not depend on the block size:
+#   with `BS = 4` one tile spans 8 blocks, and every token looks up its own block in the table
+#   (`pos // BLOCK_SIZE`). A's 10 tokens and B's 13 each fit in one tile.
+# - `GROUP_PAD`. A program loads the `GROUP` query heads that share its KV head (here 4 / 2 = 2)
+#   as the rows of one matrix, so that each K/V tile read from memory serves all of them in one
+#   `tl.dot`. `tl.dot` wants at least 16 rows, so the 2 rows are padded to 16: 14 rows of zeros,
+#   computed and never stored. `HEAD_DIM_PAD` does the same for the columns (`tl.arange` needs
+#   a power of two: a head_dim of 80 would be read as 128); our 16 needs no padding.
+# - The masks. `t_mask = pos < end` switches off the tile positions past the sequence's length
+#   (or past this split's share of it): 22 of A's 32. For those, neither the block-table entry
+#   nor K/V is loaded (a masked load reads nothing and returns `other`), and the score is set to
+#   `-inf`, so `exp` gives it weight 0. `d_mask` switches off padded head_dim columns and
+#   `g_mask` padded query-head rows, when q is loaded and the output stored.
+
+# %%
+from kernels.decode_attention import launch_constants
+from pagedlearn.attention_inputs import check_decode
+
+shape = check_decode(q, key_cache, value_cache, block_tables, context_lens, None, False)
+consts = launch_constants(shape, q.dtype, interpreted=not env.gpu, num_splits=1)["decode"]
+names = ("BLOCK_SIZE", "HEAD_DIM", "HEAD_DIM_PAD", "GROUP", "GROUP_PAD", "TILE_N")
+print({name: consts[name] for name in names})
+assert (consts["TILE_N"], consts["GROUP"], consts["GROUP_PAD"]) == (32, 2, 16)  # as said above
+TILE_N = consts["TILE_N"]
+for seq, n in zip(seqs, context_lens.tolist(), strict=True):
+    tiles = -(-n // TILE_N)  # ceil
+    print(f"{seq}: {n} tokens -> {tiles} tile(s) of {TILE_N} positions, "
+          f"{tiles * TILE_N - n} masked; one tile spans {TILE_N // BS} blocks of {BS}")  # fmt: skip
+
+# %% [markdown]
+# Now hold the kernel's inner loop next to step 4: it is the same update, on tiles of tokens
+# that may span several blocks, with masked loads so that nothing past a sequence's length is
+# read. This is the loop, as it is in the file:
 
 # %%
 import inspect
@@ -274,6 +317,46 @@ lines = inspect.getsource(decode_attention).splitlines()
 first = next(i for i, line in enumerate(lines) if "for tile_start in range(start" in line)
 last = next(i for i in range(first, len(lines)) if lines[i].strip() == "m_i = m_new")
 print("\n".join(lines[first : last + 1]))
+
+# %% [markdown]
+# **This is not the paper's kernel.** PagedAttention is the *indexing*: K and V read through
+# a block table. How a kernel then computes the softmax is a separate choice, and the paper's
+# is not ours. The paper's §4.1 writes attention block by block (each block's scores,
+# normalised by a sum over all blocks, then each block's values weighted by them) without
+# prescribing how a kernel orders that work. Its §5.1 says how vLLM's kernel does it: the
+# attention kernel of FasterTransformer, adapted to read the KV cache through the block table
+# and attend on the fly (block read fused into attention), with a GPU warp assigned to read
+# each block so that its memory accesses coalesce, and sequences of different lengths in one
+# batch. Two more kernels go with it: a fused reshape-and-block-write (our `write_kv`) and a
+# fused block copy that batches copy-on-write's copies of many blocks into one launch.
+#
+# The rest is in vLLM's code, not in the paper: the CUDA kernels `paged_attention_v1` and
+# `paged_attention_v2` in `csrc/attention/attention_kernels.cu` (vLLM's documentation walks
+# through them under "vLLM Paged Attention", and now says that page no longer describes the
+# code vLLM uses today). Side by side with ours:
+#
+# - **One GPU thread block handles**: vLLM, one (query head, sequence); ours, one (sequence,
+#   KV head, split) with all `GROUP` query heads of that KV head.
+# - **The unit of the loop**: vLLM, a KV block: each warp takes one block per iteration, and
+#   in it a *thread group* (32 / block_size threads, at least 1) scores one token. Ours, a tile
+#   of `TILE_N` tokens, however many blocks it spans, with one table lookup per token.
+# - **The softmax**: vLLM v1 first writes every score of the row to shared memory (float32),
+#   then finds their max, takes the exps and their sum, and normalises; a second pass over the
+#   blocks sums the values weighted by them. Not online: the whole row of scores must fit in
+#   shared memory. Ours: one pass over K and V with section 4's online softmax.
+# - **Long contexts**: vLLM v2 cuts a context into partitions of 512 tokens, one thread block
+#   each, keeping each partition's max and exp-sum; a separate reduce kernel merges them,
+#   rescaled to the largest max. Ours: `num_splits` (flash-decoding), merged by log-sum-exp in
+#   `_merge_splits_kernel`. The same idea.
+# - **Cache layout**: vLLM's CUDA kernels, K as `(num_blocks, num_kv_heads, head_dim / x,
+#   block_size, x)`, x being the elements in 16 bytes (8 in fp16), and V as `(num_blocks,
+#   num_kv_heads, head_dim, block_size)`, shaped for their thread groups' loads. Ours, both
+#   `(num_blocks, block_size, num_kv_heads, head_dim)`.
+#
+# Our kernel belongs to a later family: FlashAttention-style tiles with an online softmax, and
+# flash-decoding's splits. vLLM's own Triton attention
+# (`vllm/attention/ops/triton_unified_attention.py`) is built that way too: tiles of
+# `TILE_SIZE` tokens looked up through the block table, a running max and sum.
 
 # %% [markdown]
 # **The files.** Each kernel file in `kernels/` holds three things: the `@triton.jit` kernel;
@@ -307,10 +390,11 @@ except AttentionInputError as e:
     print("AttentionInputError:", e)
 
 # %% [markdown]
-# **Timing, honestly.** In the interpreter each program runs in Python and NumPy, so on a CPU
-# the kernel is much *slower* than the PyTorch reference, whatever the shapes. On a GPU it is
-# compiled, and only there do its times mean something. Wall-clock times of the tiny case,
-# best of a few runs (on a busy machine single runs vary a lot):
+# **Timing, honestly.** In the interpreter each program runs in Python and NumPy, one after
+# the other, so on a CPU expect the kernel to be *slower* than the PyTorch reference, usually
+# by far. On a GPU it is compiled, and only there do its times say anything about speed. Below:
+# wall-clock times of the tiny case on this machine, best of a few runs. They are noisy: on a
+# busy machine even the best run can be many times slower than on an idle one.
 
 
 # %%
@@ -440,14 +524,74 @@ print(f"paged_attention_ref: {t_ref * 1e3:.1f} ms   paged_attention_decode ({whe
       f"{t_kernel * 1e3:.1f} ms")  # fmt: skip
 
 # %% [markdown]
-# ## 8. The benchmark table (GPU)
+# ## 8. Why decode is memory-bound
 #
-# Decode reads every cached K and V once and does little arithmetic with them, so memory
-# bandwidth is its speed limit. `benchmarks/bench_attention.py` times the kernel for a few
-# batch sizes and context lengths and prints its bandwidth (bytes of K/V, q and output divided
-# by time, formula printed with the table) as a fraction of the GPU's measured copy bandwidth,
-# and its time next to PyTorch's `scaled_dot_product_attention` on the same K/V laid out
-# contiguously: the price of paging, which the paper puts at 20-26% in kernel latency.
+# Count what one decode call computes against what it must read (`decode_flops_and_bytes` in
+# `pagedlearn/attention.py`; the formula is in its docstring). For every cached token, each
+# query head takes a dot product with the key and adds the weighted value: 4 · head_dim FLOPs.
+# For every cached token and KV head, K and V must come from memory: 2 · head_dim · elem_size
+# bytes. Their ratio, the *arithmetic intensity*, is therefore about
+# 2 · (num_heads / num_kv_heads) / elem_size FLOPs per byte (a little less on short contexts,
+# where reading q and writing the output count too), and a bigger batch does not raise it:
+# every sequence reads its own K/V. That is 1 for fp16 with as many KV heads as query heads, 4
+# for fp16 with 4 query heads per KV head (GQA).
+#
+# A GPU's arithmetic units stay busy only above its *ridge point*, peak FLOP/s divided by memory
+# bandwidth. The cell below takes NVIDIA's spec-sheet numbers for the H100 and H200 as
+# assumptions (nothing in it is measured) and prints the ridge points, the intensity of this
+# chapter's shapes, and, for the 16-bit rows, how long an H200 at its spec would take to read
+# the bytes and to do the FLOPs. Look at how far below the ridge point every row sits: decode's
+# speed is the speed at which it reads K and V, which is why the benchmark reports GB/s. (It is
+# also why the zero rows `GROUP_PAD` adds are cheap: arithmetic is what decode has to spare.)
+
+# %%
+from pagedlearn.attention import decode_flops_and_bytes
+
+# Assumptions: NVIDIA's data sheets for the SXM boards. Dense BF16/FP16 tensor-core peak (the
+# sheets print twice it, "with sparsity") and HBM bandwidth (HBM3 on H100, HBM3e on H200).
+SPEC = {"H100 SXM": (989e12, 3.35e12), "H200 SXM": (989e12, 4.8e12)}  # (FLOP/s, bytes/s)
+for gpu, (peak_flops, peak_bw) in SPEC.items():
+    print(f"{gpu}: ridge point = {peak_flops / 1e12:.0f} TFLOP/s / {peak_bw / 1e12:.2f} TB/s "
+          f"= {peak_flops / peak_bw:.0f} FLOP/byte")  # fmt: skip
+
+elem, dtype_name = big["dtype"].itemsize, str(big["dtype"]).removeprefix("torch.")
+section7 = (big_lens.tolist(), h, kvh, d, elem)
+cases = {  # name: (context_lens, num_heads, num_kv_heads, head_dim, elem_size)
+    f"section 7's batch, {h}/{kvh} heads, d={d}, {dtype_name}": section7,
+    "8 x 4096 tokens, 12/12 heads, d=64, fp16": ([4096] * 8, 12, 12, 64, 2),
+    "8 x 4096 tokens, 32/8 heads, d=128, fp16": ([4096] * 8, 32, 8, 128, 2),
+}
+peak_flops, peak_bw = SPEC["H200 SXM"]
+print("\nFLOP/byte = 4*tokens*num_heads*head_dim / ((2*tokens*num_kv_heads + 2*num_seqs*num_heads)"
+      " * head_dim * elem_size)")  # fmt: skip
+for name, args in cases.items():
+    flops, nbytes = decode_flops_and_bytes(*args)
+    line = f"{name:46} {flops / 1e6:7.1f} MFLOP / {nbytes / 1e6:6.1f} MB = {flops / nbytes:4.2f}"
+    if args[-1] == 2:  # the spec's peak is for 16-bit operands
+        read_us, compute_us = nbytes / peak_bw * 1e6, flops / peak_flops * 1e6
+        line += f" | H200: read {read_us:5.1f} us, compute {compute_us:.2f} us"
+    print(line)
+
+# %% [markdown]
+# ## 9. The benchmark table (GPU)
+#
+# `benchmarks/bench_attention.py` times the kernel for a few batch sizes and context lengths
+# and prints its bandwidth (bytes of K/V, q and output divided by time: the count above, its
+# formula printed with the table) as a fraction of the GPU's measured copy bandwidth. It also
+# prints our time divided by that of PyTorch's `scaled_dot_product_attention` on the same K/V
+# laid out contiguously (`xSDPA`): what reading through the block table costs *our* kernel
+# against *that* baseline, on *your* GPU. SDPA is another kernel (PyTorch picks FlashAttention
+# or another backend), so the ratio mixes the cost of paging with the difference between two
+# kernels.
+#
+# It is not the paper's comparison. The paper's §7.2 (Figure 18a) measures its PagedAttention
+# kernel against FasterTransformer's attention kernel, which reads contiguous K/V and from
+# which vLLM's was adapted: 20-26% higher attention-kernel latency, which it puts down to
+# accessing the block table, extra branches and variable sequence lengths. It adds that the
+# overhead touches only the attention operator, and that vLLM still outperforms
+# FasterTransformer end to end. Compare our `xSDPA` with that for its direction and rough
+# size, not as the same measurement.
+#
 # Here it runs with `--quick` (fewer rows) and `--no-flex` (no FlexAttention column: it compiles
 # FlexAttention for every row, which takes longer than all the rest).
 
