@@ -16,8 +16,22 @@
 # %% [markdown]
 # # 06 · Watching GPT-2 and OPT serve a mixed stream
 #
+# **Why this chapter.** Chapters 01-05 built the parts one at a time: the block pool, block
+# tables, copy-on-write, the prefix cache, the attention kernel. A server uses all of them at
+# once, on requests that arrive while others are running and end at different times. This
+# chapter answers two questions. First, why does a server batch one *iteration* (one forward
+# pass, one token per running request) at a time, and not one whole batch of requests at a time?
+# Second, what does that do to the KV-cache memory, watched block by block while a real model
+# serves a real stream? The answer to the first question raises the second: the batch changes at
+# every step, and every request's KV cache grows by one token per step, to a length nobody knows
+# in advance. So KV-cache memory sets how many requests can run together -- the problem of the
+# paper's section 3, which paging solves.
+#
 # **What you will learn**
 #
+# - request-level batching versus iteration-level scheduling (the paper's section 2.3): how
+#   many steps a short request waits behind a long one under each, measured on the engine and
+#   computed for the stream below;
 # - what continuous batching looks like in the KV block pool, step by step, while a real model
 #   (GPT-2, then OPT) serves a mixed stream of requests: blocks filling slot by slot, forked
 #   samples and beams sharing blocks, copy-on-write, prefix-cache hits on a shared system
@@ -25,7 +39,8 @@
 # - how to drive the live view (`LiveBlockView`) from code, and where in a run to look for each
 #   of those events;
 # - how to record a run (`engine.record()`), save it as JSON and replay it (`ReplayView`) --
-#   the file a lab hands out, so that everyone looks at the same run.
+#   the file a lab hands out, so that everyone looks at the same run;
+# - and at the end, three questions to check yourself: predict, then let the run check you.
 #
 # **What you need.** Nothing special: on a CPU without network this chapter runs the offline
 # tiny models (`tiny-gpt2`, `tiny-opt`: random weights, a byte-level tokenizer) in well under a
@@ -52,11 +67,10 @@ env = setup()
 # - `n=3`: one prompt, three sampled continuations (parallel sampling: forked sequences);
 # - `beam`: a beam search of width 3.
 #
-# They do not arrive at once: `chat-1`, `short` and `cancel` come first, the other four a few
-# steps later, while the first ones are running -- continuous batching admits newcomers into the
-# running batch at any step, instead of waiting for the batch to finish.
-# Every request has `ignore_eos=True`, so lengths (and memory pressure) are the same on every
-# run.
+# They do not arrive at once: `chat-1`, `short` and `cancel` come first, the other four after
+# step 3 (`SECOND_WAVE_AT`), while the first ones are running. Every request has
+# `ignore_eos=True`, so it generates exactly `max_tokens` tokens: lengths (and memory pressure)
+# are the same on every run.
 #
 # The pool is sized by `demo.default_num_blocks`: room for the largest request alone, but about
 # half of what all of them need together -- so the scheduler will have to preempt.
@@ -69,6 +83,7 @@ from pagedlearn.models import load
 BLOCK_SIZE = 16
 stream = requests()
 FIRST_WAVE = ("chat-1", "short", "cancel")
+SECOND_WAVE_AT = 3  # the other four arrive after this step
 
 gpt2 = load(env.gpt2)
 num_blocks = default_num_blocks(gpt2.tokenizer, stream, BLOCK_SIZE)
@@ -77,13 +92,114 @@ for name, prompt, p in stream:
     print(f"wave {wave}  {name:<7} {len(gpt2.tokenizer.encode(prompt)):>4} prompt tokens, "
           f"max_tokens {p.max_tokens:>3}, sequences {p.n}   {prompt[:40]!r}")  # fmt: skip
 
+# %% [markdown]
+# ## Request-level or iteration-level batching
+#
+# A GPU serves many requests at once by batching them: one forward pass computes the next token
+# of every request in the batch and reads the model's weights once for all of them. But LLM
+# requests arrive at different times and run for very different numbers of steps (here from 8
+# to 200 tokens). The paper's section 2.3 sets two ways of batching them side by side:
+#
+# - **request-level batching**: the requests waiting form a batch, and the batch runs until
+#   its *longest* member is done. A request that finishes early keeps its place in the batch
+#   (padding: computed, then thrown away) and its answer comes back with the batch; a request
+#   that arrives meanwhile waits for the whole batch. This is how the paper runs its
+#   FasterTransformer baseline (section 6.1: FasterTransformer has no scheduler of its own, so
+#   the authors hand it the earliest-arrived requests, up to a maximum batch size, as one batch).
+# - **iteration-level scheduling** (Orca, Yu et al., OSDI 2022; today usually called
+#   *continuous batching*): the batch is formed again at every iteration, one forward pass that
+#   gives every running sequence one token. A finished request leaves at once, and a newcomer
+#   joins at the next iteration: it waits for one iteration, not for a whole batch. vLLM is built
+#   on it, and so is pagedlearn's scheduler (`pagedlearn/engine/scheduler.py`).
+#
+# pagedlearn has no request-level mode, so we *measure* iteration-level scheduling on the engine
+# and *compute* request-level batching from the same arrivals and lengths. The engine serves the
+# stream from a pool big enough for all of it at once, so that nothing is preempted (this section
+# is about scheduling, not memory), and `cancel` runs its 200 tokens, as if nobody cancelled it.
+# Request-level: batch 1 is the first wave; the second wave arrives while batch 1 runs, so it
+# waits for it and becomes batch 2.
+
+# %%
+arrives = {name: 0 if name in FIRST_WAVE else SECOND_WAVE_AT for name, _, _ in stream}
+length = {name: p.max_tokens for name, _, p in stream}  # ignore_eos: exactly max_tokens
+seqs = {name: p.n for name, _, p in stream}  # samples or beams: one slot each in a batch
+ample = sum(seqs[name] * -(-(len(gpt2.tokenizer.encode(prompt)) + length[name]) // BLOCK_SIZE)
+            for name, prompt, _ in stream)  # fmt: skip
+
+# Iteration-level, measured: the engine, step by step; the second wave joins after step 3.
+probe = LLM(gpt2, block_size=BLOCK_SIZE, num_blocks=ample, verbose=False).engine
+first_token, last_token = {}, {}  # request -> the step that produced it
+for name, prompt, p in stream:
+    if name in FIRST_WAVE:
+        probe.add_request(name, prompt, p)
+while probe.has_unfinished_requests():
+    if probe.num_steps == SECOND_WAVE_AT:
+        for name, prompt, p in stream:
+            if name not in FIRST_WAVE:
+                probe.add_request(name, prompt, p)
+    for out in probe.step():  # an output for every request that got tokens in this step
+        first_token.setdefault(out.request_id, probe.num_steps)
+        if out.finished:
+            last_token[out.request_id] = probe.num_steps
+assert probe.stats().preemptions_recompute == 0  # only scheduling here, no memory pressure
+
+# Request-level, computed: a batch starts when the previous one is done and its requests have
+# arrived, and keeps every one of its sequences until its longest request is done.
+batch_of, start, end, free_at = {}, {}, {}, 0
+for b, wave in enumerate(([n for n in arrives if n in FIRST_WAVE],
+                          [n for n in arrives if n not in FIRST_WAVE]), start=1):  # fmt: skip
+    start[b] = max([free_at] + [arrives[n] for n in wave])
+    end[b] = free_at = start[b] + max(length[n] for n in wave)
+    batch_of |= dict.fromkeys(wave, b)
+
+print(f"{'':<24}|{'iteration-level (measured)':^29}|{'request-level (computed)':^36}")
+print(f"{'request':<8}{'arrives':>8}{'tokens':>8}|{'first':>9}{'last':>9}{'answer':>11}|"
+      f"{'batch':>7}{'first':>9}{'last':>9}{'answer':>11}")  # fmt: skip
+for n in length:
+    b = batch_of[n]
+    measured = f"{first_token[n]:>9}{last_token[n]:>9}{last_token[n]:>11}"
+    computed = f"{b:>7}{start[b] + 1:>9}{start[b] + length[n]:>9}{end[b]:>11}"
+    print(f"{n:<8}{arrives[n]:>8}{length[n]:>8}|{measured}|{computed}")
+print("(steps: 'arrives' after that step; 'first'/'last': the steps that produced the first and "
+      "last tokens; 'answer': when the whole answer is back)\n")  # fmt: skip
+print("iteration-level vs request-level:")
+print(f"short:  answer back at step {last_token['short']} vs {end[batch_of['short']]}: "
+      f"request-level holds it until cancel's {length['cancel']} tokens are done")  # fmt: skip
+print(f"chat-2: arrives after step {arrives['chat-2']}; first token at step "
+      f"{first_token['chat-2']} vs {start[batch_of['chat-2']] + 1}")  # fmt: skip
+print(f"all seven done at step {max(last_token.values())} vs {max(end.values())}")
+for b in end:
+    wave = [n for n in length if batch_of[n] == b]
+    used = sum(seqs[n] * length[n] for n in wave)
+    held = sum(seqs[n] for n in wave) * (end[b] - start[b])
+    print(f"batch {b}: {used} of the {held} sequence-steps it holds compute a wanted token "
+          f"({100 * used / held:.0f}%); the rest is padding")  # fmt: skip
+
+# %% [markdown]
+# Read the table row by row. Under iteration-level scheduling, every request gets its first
+# token in the step after it arrives and one more token in every step after that: the engine's
+# measured steps are exactly `arrives + 1` and `arrives + tokens`; nothing else delays it.
+# Under request-level batching, `short` computes its 8 tokens just as fast, but its answer
+# comes back with its batch, when `cancel` is done; `chat-2` cannot start before batch 1 ends.
+# The model also does less useful work per step: a batch keeps a place for every sequence until
+# its longest request ends (the last lines; the paper adds that request-level batching pads the
+# prompts to one length too, which we did not count).
+#
+# So vLLM schedules iterations. The price is the second question of this chapter: with the
+# batch changing at every step and every KV cache growing a token at a time, memory -- not the
+# scheduler -- decides how many requests run together. The rest of the chapter watches it.
+#
+# ## The live view
+#
+# Now the stream as the chapter serves it: from the small pool (`num_blocks` above), so that
+# memory runs short.
+
+# %%
 llm = LLM(gpt2, block_size=BLOCK_SIZE, num_blocks=num_blocks)  # prints the pool it built
 
 # %% [markdown]
 # `LLM(...)` printed the KV cache's size per token -- `2 x layers x KV heads x head_dim x bytes`,
 # K and V for every layer -- and how many tokens the pool holds.
-#
-# ## The live view
 #
 # `LiveBlockView(llm)` follows the engine: whoever calls `engine.step()`, it redraws after every
 # step. Each square is a physical block; a block's colour says which request owns it, its filled
@@ -118,7 +234,7 @@ finished = []  # the final RequestOutput of every request, as they finish
 for name, prompt, p in stream:
     if name in FIRST_WAVE:
         engine.add_request(name, prompt, p)
-finished += view.run(max_steps=3)
+finished += view.run(max_steps=SECOND_WAVE_AT)
 print(engine.stats().summary())
 
 # %% [markdown]
@@ -146,6 +262,7 @@ if shared:
 
 # %%
 free_before = engine.kv.num_free_blocks
+cancel_in_cache = engine.kv.num_tokens("cancel.0")  # tokens with K/V now (question 3 at the end)
 out = engine.abort_request("cancel")
 finished.append(out)
 print(f"cancel: {out.outputs[0].finish_reason} after {len(out.outputs[0].token_ids)} tokens; "
@@ -158,9 +275,10 @@ print(f"cancel: {out.outputs[0].finish_reason} after {len(out.outputs[0].token_i
 # - `n=3` and `beam` **fork**: their sequences share the prompt's blocks (`x3`), and a write
 #   into a shared last block is a **copy-on-write**;
 # - the pool is too small for everything that is running: when a running request needs a block
-#   and none is free, the scheduler **preempts** the most recently arrived request (recompute:
-#   its blocks are freed and it goes back to waiting; when it comes back, the prefix cache often
-#   still holds its full blocks, so it does not compute them again);
+#   and none is free, the scheduler **preempts** the most recently arrived running request,
+#   with all its sequences (recompute, the default: their blocks are freed and the request goes
+#   back to waiting; when it comes back, the prefix cache often still holds its full blocks, so
+#   it does not compute them again; chapter 07 is about this policy);
 # - free but cached blocks are **evicted** (least recently used first) when new data needs
 #   room -- a light-grey block turns into someone's colour.
 
@@ -304,6 +422,48 @@ shared = [b.block_id for b in replay.state.blocks if b.kind == "shared"]
 print(f"frame {most} (step {replay.state.step}): shared blocks {shared}")
 print(replay.inspect(shared[0]) if shared else "no shared block")
 draw_block_pool(replay.state, title=f"OPT run, replayed from JSON: frame {most}")
+
+# %% [markdown]
+# ## Check yourself
+#
+# Answer each question before you run the cell below: write your numbers into `my_answers`
+# (`None` skips one). The cell checks them against the GPT-2 run above, and checks the rule
+# behind each answer too, computed without the engine.
+#
+# 1. The second wave arrived after step `SECOND_WAVE_AT` = 3 of the live run. In which step did
+#    `chat-2` first run (get its blocks)? And under request-level batching, in which step would
+#    it have started (the table at the top)?
+# 2. How many of `chat-2`'s prompt tokens came from the prefix cache? Only full blocks are
+#    cached, and a block is found only if its tokens *and every token before them* match
+#    `chat-1`'s (its hash chains over the whole prefix).
+# 3. When `cancel` was aborted, how many of its tokens had their K/V in the cache: its prompt
+#    plus the tokens it had generated, or one fewer? Think about when the K/V of a sampled token
+#    is written.
+
+# %%
+my_answers = [None, None, None]  # your answers to questions 1-3, then run the cell
+
+ids = {name: gpt2.tokenizer.encode(prompt) for name, prompt, _ in stream}
+chat1, chat2 = ids["chat-1"], ids["chat-2"]
+same = 0  # how many tokens chat-2 shares with chat-1 from the start
+while same < min(len(chat1), len(chat2)) and chat1[same] == chat2[same]:
+    same += 1
+cancel_tokens = next(len(o.outputs[0].token_ids) for o in finished if o.request_id == "cancel")
+rules = [  # what the rules in the questions predict, without looking at the engine
+    SECOND_WAVE_AT + 1,  # iteration-level: one iteration after it arrives (if blocks are free)
+    BLOCK_SIZE * (same // BLOCK_SIZE),  # the full blocks of the shared prefix
+    len(ids["cancel"]) + cancel_tokens - 1,  # the newest token's K/V waits for the next step
+]
+run = [  # what the engine did
+    min(state.step for _, state in frames if "chat-2.0" in state.tables),
+    next(o.num_cached_tokens for o in finished if o.request_id == "chat-2"),
+    cancel_in_cache,
+]
+for i, (rule, seen, mine) in enumerate(zip(rules, run, my_answers, strict=True), start=1):
+    assert seen == rule, f"question {i}: the run gave {seen}, the rule {rule}"
+    verdict = "" if mine is None else ("  right" if mine == seen else f"  (you said {mine})")
+    print(f"question {i}: {seen}{verdict}")
+print(f"(question 1, request-level: step {start[batch_of['chat-2']] + 1})")
 
 # %% [markdown]
 # ## Exercises

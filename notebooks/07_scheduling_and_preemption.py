@@ -16,6 +16,13 @@
 # %% [markdown]
 # # 07 · Scheduling and preemption
 #
+# **Why this chapter.** Paging lets a server admit requests as long as there are free blocks,
+# without reserving room for outputs whose length nobody knows. The other side of that bet: the
+# running requests keep growing, one token per step, and sooner or later the pool is full while
+# they all still want more (the paper's section 4.5). Chapter 06 showed it happen. This chapter
+# answers what the scheduler should do then -- whom to stop, what to do with their blocks, whom
+# to let in next -- and what each answer costs, in the numbers an operator watches.
+#
 # **What you will learn**
 #
 # - what the scheduler does when the block pool runs out: it *preempts* the youngest running
@@ -24,13 +31,19 @@
 # - what each costs: recompute pays in extra prefill tokens, swap in blocks copied, and both
 #   in time, measured here step by step (`StepStats.step_time`, `forward_time`,
 #   `bookkeeping_time`);
+# - the paper's scheduling policy by name (section 4.5) -- first-come-first-served, all-or-nothing
+#   eviction, gang scheduling of a request's samples, no admissions while a request is swapped
+#   out -- each read back from a recording of a real run;
+# - **chunked prefill**: a long prompt fed a chunk per step next to the running requests'
+#   decodes, and what it does to their inter-token latency;
 # - the numbers a vLLM operator watches -- KV usage %, the minimum of free blocks, preemptions,
 #   time to first token (TTFT) and inter-token latency (ITL) -- and how they move with the pool
 #   size;
-# - that cancelling a request (`engine.abort_request`) returns its blocks at once.
+# - that cancelling a request (`engine.abort_request`) returns its blocks at once;
+# - and at the end, three questions to check yourself: predict, then let the run check you.
 #
-# **What you need.** A CPU is enough: everything here runs the offline tiny models in a few
-# seconds. The *counts* (preemptions, blocks swapped, tokens recomputed) do not depend on the
+# **What you need.** A CPU is enough: everything here runs the offline tiny models in well
+# under a minute. The *counts* (preemptions, blocks swapped, tokens recomputed) do not depend on the
 # machine. The *times* do: on a CPU with a 2-layer random model a step takes a millisecond or
 # two, other programs on the machine add noise, and "swap" copies between two tensors
 # in the same RAM. On a GPU with GPT-2 (`env.gpt2` is then the real model) the forward pass
@@ -53,7 +66,7 @@ env = setup()
 # How many blocks does each request need at most, alone? Its prompt plus `max_tokens`, rounded
 # up to blocks, times its number of sequences (forked samples and beams share their prompt
 # blocks, so this overestimates a little). The sum is what would let all of them run at once
-# without ever preempting; the largest is the smallest pool that can serve them at all.
+# without ever preempting; the largest is about the smallest pool that can serve them at all.
 
 # %%
 import statistics
@@ -209,6 +222,210 @@ for mode in ("recompute", "swap"):
 # recomputation cheaper still: the `prefix hits` above are tokens it did not compute again.
 
 # %% [markdown]
+# ## Who runs, who waits: the policy of section 4.5, by name
+#
+# The paper's section 4.5 sets four rules, and `pagedlearn/engine/scheduler.py` implements them
+# (its docstring says where), as vLLM's V0 scheduler did:
+#
+# 1. **First-come, first-served (FCFS).** Requests are served in arrival order: the waiting
+#    queue is admitted from its front, and when blocks run out, the *latest* arrival among the
+#    running requests is preempted first. Every queue is kept in arrival order.
+# 2. **All-or-nothing eviction.** Attention reads every block of a sequence at every step, so
+#    evicting some of its blocks gains nothing: a preempted sequence gives up all its blocks
+#    (freed, or swapped to the CPU pool), never part of them.
+# 3. **Gang scheduling of a sequence group.** The sequences of one request -- the `n` samples
+#    of parallel sampling, the beams of a beam search -- share blocks, so they form one
+#    *sequence group*, scheduled as a unit: they run, are preempted and come back together.
+# 4. **Preempted requests come back first.** The paper says it for swapping: once vLLM has
+#    preempted sequences and evicted their blocks, it accepts no new requests until the
+#    preempted ones are done. The scheduler (like vLLM V0's) admits nothing from the waiting
+#    queue while any request is still swapped out, and swaps requests back in, in arrival order,
+#    before anyone waiting is admitted. With recompute, a preempted request goes back into the
+#    waiting queue at its arrival position, so FCFS alone brings it back first.
+#
+# We read all four off one run: the workload in the pool of `SMALL` blocks with swap, recorded.
+# `queue_changes` (in `pagedlearn.engine.stats`) turns the recording's step events back into the
+# scheduler's decisions: for each step, who was admitted, swapped in, preempted or finished, and
+# the queues after it. The steps where something moved:
+
+# %%
+from pagedlearn.engine.stats import queue_changes
+from pagedlearn.viz import replay_states
+
+engine = LLM(loaded, block_size=BLOCK_SIZE, num_blocks=SMALL, preemption_mode="swap",
+             verbose=False).engine  # fmt: skip
+policy_log = engine.record()
+for name, prompt, p in workload:  # all six arrive at once, in this order
+    engine.add_request(name, prompt, p)
+while engine.has_unfinished_requests():
+    engine.step()
+
+changes = queue_changes(policy_log)  # one per step
+infos = [e.info for e in policy_log.events if e.kind == "step"]  # the engine's record per step
+states = [state for _, state in replay_states(policy_log)]  # the pool after each step
+
+
+def names(ids):
+    return " ".join(ids) or "-"
+
+
+print(f"{'step':>4}  {'what happened':<40}{'running':<34}{'swapped':<12}{'waiting':<8}free")
+for c, info in zip(changes, infos, strict=True):
+    moves = ("swap in", c.swapped_in), ("admit", c.admitted), ("preempt", c.preempted)
+    what = [f"{verb} {names(ids)}" for verb, ids in (*moves, ("finish", c.finished)) if ids]
+    if what:
+        print(f"{c.step:>4}  {'; '.join(what):<40}{names(c.running):<34}{names(c.swapped):<12}"
+              f"{names(c.waiting):<8}{info['stats']['free_blocks']:>4}")  # fmt: skip
+
+print("\nthe block tables of n=3's three sequences, each time they move:")
+step = 1  # a step's block events come before the step event that closes it
+for e in policy_log.events:
+    if e.kind == "step":
+        step += 1
+    elif e.kind in ("swap_out", "swap_in") and str(e.seqs[0]).startswith("n=3."):
+        gpu, cpu = list(e.blocks), list(e.info["cpu_blocks"])
+        move = f"GPU {gpu} -> CPU {cpu}" if e.kind == "swap_out" else f"CPU {cpu} -> GPU {gpu}"
+        print(f"{step:>4}  {e.kind:<9}{e.seqs[0]}: {move}")
+
+# The four rules, checked on this run.
+arrival = [name for name, _, _ in workload]
+assert list(dict.fromkeys(r for c in changes for r in c.admitted)) == arrival  # 1: FCFS
+for i, c in enumerate(changes):
+    for victim in c.preempted:  # 1: the latest arrival among the running goes first
+        assert all(arrival.index(victim) > arrival.index(r) for r in c.running)
+        group = next(r["seqs"] for r in infos[i - 1]["requests"] if r["id"] == victim)
+        assert all(s not in states[i].tables and s in states[i].swapped for s in group)  # 2, 3
+    assert not (c.admitted and c.swapped)  # 4: nobody admitted while a request is swapped out
+print("\nchecked: FCFS admissions and preemptions, all-or-nothing, gang, swapped first")
+
+# %% [markdown]
+# What to look for (the steps are those of this run; another model gives other steps, the same
+# rules):
+#
+# - **FCFS.** The first step admits requests in arrival order until the next one does not fit;
+#   the rest wait, and no one is ever admitted ahead of an earlier arrival. Each preemption
+#   takes the latest arrival among the requests still *running* -- not necessarily the latest
+#   arrival overall, which may already be waiting or swapped out.
+# - **All-or-nothing, gang.** `n=3`'s three sequences leave in the same step with all their
+#   blocks, and come back together. The blocks they share are copied once: the three CPU
+#   tables point at the same CPU blocks, and after the swap-in the three tables point at the
+#   same new GPU blocks again -- whichever blocks were free then, not the old ones (paging: a
+#   request's data can live in any block).
+# - **Swapped first.** Look for steps where many blocks are free and still nobody moves: the
+#   request at the front of the swapped queue needs more blocks than that to come back, the one
+#   behind it waits its turn (FCFS), and nobody waiting is admitted while anyone is swapped out
+#   -- even a request whose prompt would fit. When enough blocks come free, the swapped
+#   requests come back and then the waiting ones are admitted, in one step, in arrival order.
+#
+# Strict FCFS has a price too: a request that fits may wait behind one that does not (the
+# paper chose it for fairness and to prevent starvation).
+#
+# ## Chunked prefill: a long prompt beside the decodes
+#
+# A prompt is prefilled in one forward pass over all its tokens; a running request decodes one
+# token per step. When a long prompt arrives, the step that prefills it is as long as that
+# prefill, and every running request waits that long for its next token: a spike in its
+# inter-token latency (ITL). **Chunked prefill** feeds the prompt a chunk per step instead, next
+# to the decodes, under a per-step token budget (`max_num_batched_tokens`): decodes come first,
+# one token per running sequence, and the prompt gets what the budget has left. It is not in
+# the paper: it came later (Sarathi, Agrawal et al. 2023), vLLM adopted it, and vLLM's current
+# engine chunks prefills by default -- as pagedlearn's scheduler does (`enable_chunked_prefill`,
+# on by default; the default budget is large, 2048 tokens, so the prompts in this chapter never
+# needed chunks).
+#
+# Below: `chat-1`, `chat-2` and `n=3` decode (5 sequences), and `long` arrives after step 2.
+# Once with a budget of 64 tokens, once without chunking (the whole prompt in one step). Each
+# step's time is the fastest of `REPEATS` runs.
+
+# %% tags=["timing"]
+from itertools import pairwise
+
+BUDGET = 64  # max_num_batched_tokens of the chunked run
+ARRIVES = 2  # `long` arrives after this step
+DECODERS = ("chat-1", "chat-2", "n=3")
+by_name = {name: (prompt, p) for name, prompt, p in workload}
+n_long = len(loaded.tokenizer.encode(by_name["long"][0]))
+decoding = sum(by_name[name][1].n for name in DECODERS)  # sequences: one token each per step
+
+
+def long_beside_decodes(chunked, num_steps=10):
+    """``long`` arriving while DECODERS decode. Returns, for the ``num_steps`` steps from its
+    arrival on: their StepStats, ``long``'s tokens in the cache after each, and the longest gap
+    between two tokens of a decoding request (seconds)."""
+    budget = dict(max_num_batched_tokens=BUDGET, max_num_seqs=8) if chunked else {}
+    engine = LLM(loaded, block_size=BLOCK_SIZE, num_blocks=ALL_FIT + BLOCK_SIZE,
+                 enable_chunked_prefill=chunked, verbose=False, **budget).engine  # fmt: skip
+    steps, in_cache, metrics = [], [], {}
+    engine.subscribe_stats(steps.append)
+    for name in DECODERS:
+        engine.add_request(name, *by_name[name])
+    while engine.num_steps < ARRIVES + num_steps:
+        if engine.num_steps == ARRIVES:
+            engine.add_request("long", *by_name["long"])
+        metrics |= {out.request_id: out.metrics for out in engine.step()}
+        in_cache.append(engine.kv.num_tokens("long.0") if "long.0" in engine.kv else 0)
+    arrived = engine.requests["long"].metrics.arrival_time
+    gaps = [b - a for n in DECODERS for a, b in pairwise(metrics[n].token_times) if b > arrived]
+    return steps[ARRIVES:], in_cache[ARRIVES:], max(gaps)
+
+
+def fastest(chunked):
+    """One run's counts (every run has the same); each step's time and the longest gap, the
+    smallest of REPEATS runs (other programs only ever add time)."""
+    runs = [long_beside_decodes(chunked) for _ in range(REPEATS)]
+    steps, in_cache, _ = runs[0]
+    return {
+        "steps": steps,
+        "long K/V": in_cache,
+        "step ms": [1000 * min(run[0][i].step_time for run in runs) for i in range(len(steps))],
+        # the step that completes long's prompt also samples its first token
+        "first token": next(s.step for s, n in zip(steps, in_cache, strict=True) if n >= n_long),
+        "max ITL ms": 1000 * min(run[2] for run in runs),
+    }
+
+
+chunk, whole = fastest(True), fastest(False)
+for run in (chunk, whole):  # decodes come first: every running sequence, every step
+    assert all(s.num_decode_seqs >= decoding for s in run["steps"])
+assert all(s.num_batched_tokens <= BUDGET for s in chunk["steps"])
+
+print(f"long: {n_long} prompt tokens, arriving after step {ARRIVES}; {decoding} sequences "
+      f"decoding ({', '.join(DECODERS)}); {loaded.name} on {env.device}\n")  # fmt: skip
+print(f"{'':>4}  {f'chunked, max_num_batched_tokens={BUDGET}':^36}    "
+      f"{'no chunking: the whole prompt in one step':^36}")  # fmt: skip
+columns = f"{'tokens':>8}{'decodes':>9}{'long K/V':>10}{'step ms':>9}    "
+print(f"{'step':>4}  {columns}{columns}")
+for i, s in enumerate(chunk["steps"]):
+    row = [f"{r['steps'][i].num_batched_tokens:>8}{r['steps'][i].num_decode_seqs:>9}"
+           f"{r['long K/V'][i]:>10}{r['step ms'][i]:>9.2f}" for r in (chunk, whole)]  # fmt: skip
+    print(f"{s.step:>4}  {'    '.join(row)}")
+print(f"\nlong's prompt: {chunk['first token'] - ARRIVES} steps of at most {BUDGET - decoding} "
+      f"tokens (first token at step {chunk['first token']}), or 1 step without chunking (first "
+      f"token at step {whole['first token']})")  # fmt: skip
+print(f"longest step once long arrived: {max(chunk['step ms']):.2f} ms chunked, "
+      f"{max(whole['step ms']):.2f} ms without")  # fmt: skip
+print(f"longest gap between two tokens of a decoding request (max ITL), fastest of {REPEATS}: "
+      f"{chunk['max ITL ms']:.2f} ms chunked, {whole['max ITL ms']:.2f} ms without")  # fmt: skip
+
+# %% [markdown]
+# What to look for. The token columns are the same on every machine. With chunking, no step
+# computes more than 64 tokens: each running sequence gets its token first, `long`'s prompt
+# gets the other 59, and it goes in over several steps (`long K/V` grows by 59 a step). Without
+# chunking, one step computes all its prompt tokens next to the 5 decodes. Chunking costs the
+# long request a few steps of time to first token; the same tokens are computed, spread out.
+#
+# The times are this machine's. Compare the step that holds the whole prompt with the chunked
+# steps, and the longest gap between two tokens of a decoding request: a step is as long as its
+# forward pass, and the forward grows with the tokens in it once there are enough of them, so
+# bounding the tokens per step bounds how long a running request can wait for its next token.
+# On a GPU with a large model, a prefill of thousands of tokens takes many times a decode step,
+# and chunking is what keeps a long prompt from freezing everyone's stream. On this CPU with a
+# 2-layer random model the difference may be small and run-to-run noise large: look at the
+# numbers, rerun the cell, and do not read more into them than they show. (vLLM's older
+# scheduler without chunking went further: by its documentation, it ran prefills in steps of
+# their own, without the decodes; pagedlearn packs them into one step either way.)
+
+# %% [markdown]
 # ## What an operator watches, as the pool grows
 #
 # A serving dashboard (vLLM's `/metrics`) shows, among others: **KV cache usage** (% of blocks
@@ -262,14 +479,18 @@ display(fig)
 # %% [markdown]
 # How to read it. A small pool runs hot: its peak usage is near 100% and its free-block
 # minimum near 0, requests are preempted, and the whole workload takes more steps, because fewer
-# requests run side by side (smaller batches). Latency follows: TTFT grows most, since late
-# requests queue behind a full pool; ITL moves much less, since a running request gets one token
-# per step whatever the pool (only the step's own duration changes). Preemptions stop well
-# before the dotted line -- requests finish at different times, and forked samples share their
-# prompt's blocks -- and past it more blocks buy nothing: the extra memory stays free. An
-# operator sizes the pool (vLLM's `gpu_memory_utilization`) so that preemptions are rare at the
-# expected load, and watches `min free` and the preemption counter to see when they stop being
-# rare.
+# requests run side by side (smaller batches). Latency follows; these are times, so look at the
+# columns rather than trust a sentence. TTFT should grow the most in small pools, since late
+# requests queue behind a full pool. ITL should move less, and not always up: a running request
+# gets one token per step whatever the pool, so its ITL is the step's duration, and smaller
+# batches make shorter steps; but a preempted request's time in the waiting or swapped queue
+# falls between two of its tokens, which raises its own ITL. The mean over all requests shows
+# both at once.
+# Preemptions stop well before the dotted line -- requests finish at different times, and forked
+# samples share their prompt's blocks -- and past it more blocks buy nothing: the extra memory
+# stays free. An operator sizes the pool (vLLM's `gpu_memory_utilization`) so that preemptions
+# are rare at the expected load, and watches `min free` and the preemption counter to see when
+# they stop being rare.
 #
 # One run in detail: the smallest pool with swap, recorded (`engine.record()`) and drawn by
 # `draw_memory_timeline`, which replays the log frame by frame.
@@ -335,6 +556,45 @@ engine.kv.check_invariants()
 # %% [markdown]
 # The freed blocks are free at once: the next step can give them to a waiting request.
 #
+# ## Check yourself
+#
+# Answer each question before you run the cell below: write your answers into `my_answers`
+# (`None` skips one). The cell checks them against the runs above, and checks the rule behind
+# each answer too.
+#
+# 1. In the policy run (swap, `SMALL` blocks), which request is preempted first, and how many
+#    sequences leave the GPU with it? Use the arrival order and what you know about `n=3` and
+#    `beam`; answer as `("name", count)`.
+# 2. How many blocks does that first preemption copy to the CPU pool? (`BLOCK_SIZE` is 8, and
+#    think about which blocks the sequences of one request share.)
+# 3. In the chunked-prefill run, in how many steps does `long`'s prompt go in, with
+#    `max_num_batched_tokens=64` and 5 sequences decoding?
+
+# %%
+my_answers = [None, None, None]  # your answers to questions 1-3, then run the cell
+
+i = next(i for i, c in enumerate(changes) if c.preempted)  # the step of the first preemption
+victim = changes[i].preempted[0]
+group = next(r["seqs"] for r in infos[i - 1]["requests"] if r["id"] == victim)
+copied = set()  # CPU blocks the victim's swap-outs filled in that step
+step = 1
+for e in policy_log.events:
+    step += e.kind == "step"
+    if step == changes[i].step and e.kind == "swap_out" and e.seqs[0] in group:
+        copied |= set(e.info["cpu_blocks"])
+prefill_steps = chunk["first token"] - ARRIVES  # the steps that took a chunk of `long`
+rules = [  # what the rules predict, from the queues and tables before the step
+    (max(changes[i - 1].running, key=arrival.index), len(group)),  # the latest arrival, all of it
+    len({b for s in group for b in states[i - 1].tables[s]}),  # its distinct blocks, each once
+    -(-n_long // (BUDGET - decoding)),  # the budget's rest after the decodes, every step
+]
+run = [(victim, len(group)), len(copied), prefill_steps]
+for q, (rule, seen, mine) in enumerate(zip(rules, run, my_answers, strict=True), start=1):
+    assert seen == rule, f"question {q}: the run gave {seen}, the rule {rule}"
+    verdict = "" if mine is None else ("  right" if mine == seen else f"  (you said {mine})")
+    print(f"question {q}: {seen}{verdict}")
+
+# %% [markdown]
 # ## Exercises
 #
 # 1. Give the swap run a CPU pool that is too small: `serve(SMALL, "swap", swap_blocks=4)`. The
