@@ -210,3 +210,23 @@ def test_large_pool_uses_a_block_box():
     replay.slider.value = 1
     replay.block_box.value = 1
     assert "refcount: 2" in replay.details.value and "tokens: 4 5 6 7" in replay.details.value
+
+
+def test_a_reader_without_a_kernel_sees_the_picture(llm):
+    """A notebook read on GitHub has no widgets: the view's output also carries its PNG and
+    its stats line, as they were when it was displayed."""
+    import base64
+
+    view = LiveBlockView(llm, delay=0)
+    try:
+        llm.engine.add_request("r", "Hello there", SamplingParams(max_tokens=3, ignore_eos=True))
+        view.step()
+        bundle = view._repr_mimebundle_()
+        assert "application/vnd.jupyter.widget-view+json" in bundle
+        assert base64.b64decode(bundle["image/png"]) == view.image.value
+        step = view.state.step
+        assert bundle["text/plain"].startswith(f"LiveBlockView: step {step} · blocks:")
+    finally:
+        view.close()
+        while llm.engine.has_unfinished_requests():
+            llm.engine.step()

@@ -20,10 +20,12 @@ each frame redraws only what can change (blitting) -- see ``last_draw_seconds``.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import html
 import io
 import os
+import re
 import time
 import traceback
 
@@ -160,7 +162,13 @@ class _PoolView:
         return self._widget
 
     def _repr_mimebundle_(self, **kwargs):
-        return self._widget._repr_mimebundle_(**kwargs)
+        # The widget, for a running kernel; and the picture and stats line as they are now, for
+        # every reader without one (a notebook read on GitHub, or opened before it is run).
+        bundle = self._widget._repr_mimebundle_(**kwargs)
+        bundle["image/png"] = base64.b64encode(self.image.value).decode("ascii")
+        stats = re.sub(r"<[^>]+>", "", html.unescape(stats_html(self.state)))
+        bundle["text/plain"] = f"{type(self).__name__}: {stats}"
+        return bundle
 
 
 class LiveBlockView(_PoolView):
