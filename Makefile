@@ -49,9 +49,13 @@ bench: $(STAMP)
 lab: $(STAMP)
 	$(BIN)/jupyter lab notebooks/
 
-notebooks: $(STAMP)  ## after editing a chapter's .py or .ipynb: bring its twin up to date
+# After editing a chapter's .py (or .ipynb): bring its twin up to date, run it offline and store
+# what it prints and draws in the .ipynb, so that it reads without running (a minute or two for
+# all eight; `make notebooks CHAPTERS="05 07"` runs just those).
+CHAPTERS ?=
+notebooks: $(STAMP)
 	$(BIN)/jupytext --sync notebooks/[0-9][0-9]_*.py
-	$(BIN)/jupyter nbconvert --log-level=WARN --clear-output --inplace notebooks/[0-9][0-9]_*.ipynb
+	$(BIN)/python -m pagedlearn.chapters $(CHAPTERS)
 
 figures: $(STAMP)  ## regenerate every PNG in figures/ (seeded, offline)
 	$(BIN)/python -m pagedlearn figures

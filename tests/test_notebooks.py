@@ -1,7 +1,9 @@
 """The chapters: each .ipynb matches its reviewed .py twin, follows the chapter layout, and runs.
 
 CI executes every notebook top to bottom on a CPU, offline (``PAGEDLEARN_OFFLINE=1``: the tiny
-models), from the ``notebooks/`` folder, as a student's JupyterLab would. ``pytest --durations=0
+models), from the ``notebooks/`` folder, as a student's JupyterLab would, and checks that the
+outputs committed in each .ipynb (so that a reader can read them without running anything) are
+what the chapter prints now (:mod:`pagedlearn.chapters`). ``pytest --durations=0
 tests/test_notebooks.py`` prints how long each one takes.
 """
 
@@ -12,11 +14,13 @@ from pathlib import Path
 
 import pytest
 
+from pagedlearn import chapters
+
 jupytext = pytest.importorskip("jupytext")
 nbformat = pytest.importorskip("nbformat")
 
-NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
-CHAPTERS = sorted(NOTEBOOKS.glob("[0-9][0-9]_*.py"))
+NOTEBOOKS = chapters.NOTEBOOKS
+CHAPTERS = chapters.chapters()
 TIMEOUT_S = 300  # per cell; a chapter takes well under a minute on two CPU cores
 
 
@@ -36,11 +40,17 @@ def test_pair_is_in_sync(py: Path):
     if not ipynb.exists():
         pytest.fail(f"{ipynb.name} is missing: run `make notebooks`")
     a, b = _cells(jupytext.read(py)), _cells(jupytext.read(ipynb))
-    assert a == b, f"{py.name} and {ipynb.name} differ: run `make notebooks` (jupytext --sync)"
-    # Checked in without outputs: diffs stay readable and nothing stale is shown.
+    assert a == b, f"{py.name} and {ipynb.name} differ: run `make notebooks`"
+    # Committed with the outputs of a run, so that a reader on GitHub sees every result; minus
+    # what changes on every run (see pagedlearn.chapters).
     nb = nbformat.read(ipynb, as_version=4)
-    stale = [i for i, c in enumerate(nb.cells) if c.cell_type == "code" and c.get("outputs")]
-    assert not stale, f"{ipynb.name} has outputs in cells {stale}: clear them before committing"
+    assert nb.metadata.get("widgets") is None, f"{ipynb.name} stores widget state"
+    for i, cell in enumerate(c for c in nb.cells if c.cell_type == "code"):
+        assert "execution" not in cell.metadata, f"{ipynb.name} code cell {i} has timestamps"
+        for out in cell.get("outputs", []):
+            assert chapters.WIDGET_VIEW not in out.get("data", {}), f"{ipynb.name} cell {i}"
+    ran = [c for c in nb.cells if c.cell_type == "code" and c.get("execution_count")]
+    assert ran, f"{ipynb.name} has no outputs: run `make notebooks` to store them"
 
 
 @pytest.mark.parametrize("py", CHAPTERS, ids=lambda p: p.stem)
@@ -62,16 +72,9 @@ def test_chapter_layout(py: Path):
 
 
 @pytest.mark.parametrize("py", CHAPTERS, ids=lambda p: p.stem)
-def test_notebook_runs_top_to_bottom_offline(py: Path, monkeypatch):
-    nbclient = pytest.importorskip("nbclient")
-    monkeypatch.setenv("PAGEDLEARN_OFFLINE", "1")  # the kernel inherits these
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("MPLBACKEND", "module://matplotlib_inline.backend_inline")
-    nb = jupytext.read(py)
-    client = nbclient.NotebookClient(
-        nb, timeout=TIMEOUT_S, kernel_name="python3", resources={"metadata": {"path": NOTEBOOKS}}
-    )
-    client.execute()  # raises CellExecutionError, with the cell and traceback, on any error
+def test_notebook_runs_top_to_bottom_offline(py: Path):
+    pytest.importorskip("nbclient")
+    nb = chapters.execute(py, timeout=TIMEOUT_S)  # raises CellExecutionError, with the cell
     outputs = [o for c in nb.cells for o in c.get("outputs", [])]
     assert not [o for o in outputs if o.get("output_type") == "error"]
     # A chapter that draws must show pictures, not "<Figure size 640x480 with 1 Axes>".
@@ -80,6 +83,12 @@ def test_notebook_runs_top_to_bottom_offline(py: Path, monkeypatch):
     )
     images = sum("image/png" in o.get("data", {}) for o in outputs)
     assert images or not draws, "the chapter draws figures but none was shown as an image"
+    # What a reader sees without running it is what it prints now (timing cells aside).
+    stale = chapters.stale_cells(nb, nbformat.read(py.with_suffix(".ipynb"), as_version=4))
+    assert not stale, (
+        f"{py.stem}.ipynb's committed outputs are stale: run `make notebooks` "
+        "(python -m pagedlearn.chapters " + py.stem[:2] + ")\n" + "\n".join(stale[:5])
+    )
 
 
 def test_setup_asks_the_hub_once_and_falls_back_to_the_tiny_models(monkeypatch):
@@ -96,3 +105,52 @@ def test_setup_asks_the_hub_once_and_falls_back_to_the_tiny_models(monkeypatch):
     env = notebook.setup(verbose=False)
     assert (env.gpt2, env.opt) == ("tiny-gpt2", "tiny-opt")
     assert len(asked) == 2  # once per setup(), not once per model
+
+
+def _nb(*cells):
+    """A notebook of code cells: (source, stdout text, tags)."""
+    nb = nbformat.v4.new_notebook()
+    for source, text, tags in cells:
+        cell = nbformat.v4.new_code_cell(source, metadata={"tags": tags} if tags else {})
+        cell.outputs = [nbformat.v4.new_output("stream", name="stdout", text=text)]
+        nb.cells.append(cell)
+    return nb
+
+
+def test_stale_outputs_are_found_but_timings_are_not_checked():
+    committed = _nb(("print(1)", "1\n", []), ("t()", "3.1 ms\n", [chapters.TIMING]))
+    fresh = _nb(("print(1)", "1\n", []), ("t()", "2.9 ms\n", [chapters.TIMING]))
+    assert chapters.stale_cells(fresh, committed) == []
+    fresh.cells[0].outputs[0].text = "2\n"
+    (problem,) = chapters.stale_cells(fresh, committed)
+    assert problem.startswith("code cell 0 ('print(1)')")
+    fresh.cells[1].source = "t(2)"
+    assert "make notebooks" in chapters.stale_cells(fresh, committed)[0]
+
+
+def test_a_timing_cell_keeps_its_committed_output_until_its_source_changes():
+    committed = _nb(("t()", "3.1 ms\n", [chapters.TIMING]), ("u()", "7 ms\n", [chapters.TIMING]))
+    fresh = _nb(("t()", "2.9 ms\n", [chapters.TIMING]), ("u(2)", "5 ms\n", [chapters.TIMING]))
+    assert chapters.keep_committed_timings(fresh, committed) == 1
+    assert [c.outputs[0].text for c in fresh.cells] == ["3.1 ms\n", "5 ms\n"]
+
+
+def test_clean_drops_what_changes_on_every_run():
+    nb = _nb(("print(1); print(2)", "1\n", []), ("x", "", []))
+    nb.cells[0].outputs.append(nbformat.v4.new_output("stream", name="stdout", text="2\n"))
+    view = {chapters.WIDGET_VIEW: {"model_id": "ab12"}, "image/png": "iVBO", "text/plain": "V"}
+    nb.cells[1].outputs = [nbformat.v4.new_output("display_data", data=view)]
+    nb.cells[1].metadata["execution"] = {"iopub.status.busy": "2026-11-30T20:00:00Z"}
+    nb.metadata["widgets"] = {"state": {}}
+    ids = [c.id for c in chapters.clean(nbformat.from_dict(nb)).cells]
+    nb = chapters.clean(nb)
+    assert [c.id for c in nb.cells] == ids  # from the cells' text: the same on every run
+    assert [o.text for o in nb.cells[0].outputs] == ["1\n2\n"]  # one stream, however flushed
+    assert sorted(nb.cells[1].outputs[0].data) == ["image/png", "text/plain"]
+    assert "execution" not in nb.cells[1].metadata and "widgets" not in nb.metadata
+
+
+def test_chapters_are_picked_by_number_and_unknown_ones_named():
+    assert [p.stem[:2] for p in chapters.chapters(["05", "07"])] == ["05", "07"]
+    with pytest.raises(ValueError, match=r"no chapter \['42'\]"):
+        chapters.chapters(["42"])
