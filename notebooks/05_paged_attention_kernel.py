@@ -397,7 +397,7 @@ except AttentionInputError as e:
 # busy machine even the best run can be many times slower than on an idle one.
 
 
-# %%
+# %% tags=["timing"]
 def best_seconds(fn, repeat=3):
     """Best wall-clock time of ``fn()`` over a few runs, after one warm-up (compiles on a GPU)."""
     fn()
@@ -488,7 +488,7 @@ print("OK: Triton paged_attention_prefill == paged_attention_prefill_ref", tuple
 # stays small (the interpreter); on a GPU it is a batch of long float16 contexts with GPU-sized
 # heads.
 
-# %%
+# %% tags=["timing"]
 if env.quick:
     num_seqs, max_len, big = 6, 120, dict(block_size=16, heads=(8, 2, 32), dtype=torch.float32)
 else:

@@ -160,7 +160,7 @@ print("ready")
 # - **swap** copies its blocks to the CPU pool (`swap_out`) and puts it in the *swapped* queue;
 #   swapped requests come back first, when blocks are free again (`swap_in`).
 
-# %%
+# %% tags=["timing"]
 SMALL = max(ONE_FITS + 1, round(0.55 * ALL_FIT))
 ample = best_run(ALL_FIT + BLOCK_SIZE)  # the reference: nothing is ever preempted
 rows = {"ample pool": ample}
@@ -186,7 +186,7 @@ for key in ample:
 #
 # The costs, in units that do not depend on the machine, and then in time:
 
-# %%
+# %% tags=["timing"]
 from pagedlearn.models.runner import kv_cache_spec
 
 bytes_per_block = BLOCK_SIZE * kv_cache_spec(loaded.model).bytes_per_token
@@ -434,7 +434,7 @@ print(f"longest gap between two tokens of a decoding request (max ITL), fastest 
 # request). Here is the same workload over a range of pool sizes, from the smallest that can
 # serve the largest request alone to more than everything needs at once -- all computed now.
 
-# %%
+# %% tags=["timing"]
 sizes = sorted(
     {round(ONE_FITS + 1 + i * (ALL_FIT + BLOCK_SIZE - ONE_FITS - 1) / 5) for i in range(6)}
 )
@@ -451,7 +451,7 @@ print(f"\nno preemption from {calm} blocks on: {100 * calm / ALL_FIT:.0f}% of th
 # %% [markdown]
 # The same numbers as a figure (drawn here from the `sweep` dictionary just computed):
 
-# %%
+# %% tags=["timing"]
 from IPython.display import display
 from matplotlib.figure import Figure
 

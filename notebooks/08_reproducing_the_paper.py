@@ -109,7 +109,6 @@ for name in ("sharegpt", "alpaca"):
 # unusable, or added by the buddy allocator's rounding to a power of two).
 
 # %%
-t0 = time.perf_counter()
 fig2 = paper.figure2("sharegpt", N["sharegpt"])
 parts = ["token_states", "reserved", "internal", "external_and_other"]
 show(fig2, ["system"] + [k for p in parts for k in (p, f"paper_{p}")])
@@ -119,7 +118,6 @@ print(f"largest gap, ours - paper: {gaps[worst]:+.1f} points ({worst[0]}, {worst
 left = paper.POOL_SLOTS % 2048  # what seven 2048-slot reservations leave of the pool
 print(f"Max: {paper.POOL_SLOTS // 2048} reservations of 2048 leave {left} slots free, "
       f"{100 * left / paper.POOL_SLOTS:.1f}% of the pool")  # fmt: skip
-print(f"({time.perf_counter() - t0:.1f} s)")
 
 # %%
 plots.plot_figure2(fig2)
@@ -147,7 +145,6 @@ plots.plot_figure2(fig2)
 # requests means lower throughput at the same step time.
 
 # %%
-t0 = time.perf_counter()
 fig13 = {name: paper.figure13(name, N[name]) for name in ("sharegpt", "alpaca")}
 for name, rows in fig13.items():
     print(f"{name}-like:")
@@ -155,7 +152,6 @@ for name, rows in fig13.items():
         r["ours/paper"] = r["mean_batch"] / r["paper_mean_batch"]
     show(rows, ["system", "mean_batch", "paper_mean_batch", "ours/paper", "preemptions"], 2)
 print(f"Max by arithmetic: {paper.POOL_SLOTS:,} slots // 2048 = {paper.POOL_SLOTS // 2048}")
-print(f"({time.perf_counter() - t0:.1f} s)")
 
 # %%
 plots.plot_figure13(fig13)
@@ -176,7 +172,6 @@ plots.plot_figure13(fig13)
 # know. So the next cell runs Alpaca at 30 requests/s for a few assumed step times.
 
 # %%
-t0 = time.perf_counter()
 rate = 30.0
 rate_rows = paper.rate_sensitivity("alpaca", rate, num_requests=N["alpaca"])
 mean_out = workloads.mean_lengths(workloads.paper_workload("alpaca", N["alpaca"]))[1]
@@ -185,7 +180,6 @@ for r in rate_rows:
     r["demand"] = rate * mean_out * r["step_ms"] / 1000  # Little's law: demand's limit
     r["memory"] = memory[r["system"]]
 show(rate_rows, ["step_ms", "system", "mean_batch", "demand", "memory", "paper_mean_batch"], 2)
-print(f"({time.perf_counter() - t0:.1f} s)")
 
 # %% [markdown]
 # Each batch stays below two limits: `demand` (Little's law) and `memory` (the saturated batch
@@ -203,14 +197,12 @@ print(f"({time.perf_counter() - t0:.1f} s)")
 # Rather than tune it until the numbers match, we sweep it and look at what moves.
 
 # %%
-t0 = time.perf_counter()
 spreads = (0.5, 1.0, 1.5) if env.quick else (0.5, 0.75, 1.0, 1.25, 1.5)
 sens = paper.spread_sensitivity("sharegpt", spreads, num_requests=N["sharegpt"])
 for s in spreads:
     batch = {r["system"]: r["mean_batch"] for r in sens if r["spread"] == s}
     print(f"spread {s:4}: " + "  ".join(f"{k} {v:6.2f}" for k, v in batch.items())
           + f"   vllm/oracle {batch['vllm'] / batch['oracle']:.2f}")  # fmt: skip
-print(f"({time.perf_counter() - t0:.1f} s)")
 
 # %%
 plots.plot_sensitivity(sens)
@@ -229,12 +221,10 @@ plots.plot_sensitivity(sens)
 # GPU and settles on 16. A memory simulation sees only the waste side:
 
 # %%
-t0 = time.perf_counter()
 fig18b = {name: paper.figure18b(name, num_requests=N[name]) for name in ("sharegpt", "alpaca")}
 for name, rows in fig18b.items():
     print(f"{name}-like:")
     show(rows, ["block_size", "mean_batch", "token_states", "internal", "preemptions"])
-print(f"({time.perf_counter() - t0:.1f} s)")
 
 # %%
 plots.plot_figure18b(fig18b)
@@ -258,11 +248,9 @@ plots.plot_figure18b(fig18b)
 # replaced by a fork of another beam (the paper does not say how its beams behave).
 
 # %%
-t0 = time.perf_counter()
 fig15 = sharing.figure15(num_requests=SHARING_N)
 print(f"beam divergence (our choice, made before the runs): {sharing.DIVERGENCE}")
 show(fig15, ["workload", "mode", "width", "saved_pct", "paper_saved_pct"])
-print(f"({time.perf_counter() - t0:.1f} s)")
 
 # %%
 plots.plot_figure15(fig15)
@@ -277,14 +265,12 @@ plots.plot_figure15(fig15)
 # ours. The beam model's one free parameter is swept here:
 
 # %%
-t0 = time.perf_counter()
 sweep = sharing.divergence_sweep("alpaca", 4, num_requests=SHARING_N)
 show(sweep, ["divergence", "saved_pct"], 2)
 low, high = min(r["saved_pct"] for r in sweep), max(r["saved_pct"] for r in sweep)
 paper_beam4 = sharing.PAPER_FIG15[("alpaca", "beam")][4]
 print(f"paper, Alpaca beam width 4: {paper_beam4}% (inside {low:.1f}-{high:.1f}%: "
       f"{low <= paper_beam4 <= high})")  # fmt: skip
-print(f"({time.perf_counter() - t0:.1f} s)")
 
 # %% [markdown]
 # With `divergence = 0` the beams never re-fork and share only the prompt; as they re-fork more
@@ -301,10 +287,8 @@ print(f"({time.perf_counter() - t0:.1f} s)")
 # Hit rate = prompt tokens found in the cache / prompt tokens asked for.
 
 # %%
-t0 = time.perf_counter()
 caching = prefix.experiment(env.quick)
 show(caching, ["stream", "cache", "hit_rate_pct", "memory_saved_pct", "mean_batch"])
-print(f"({time.perf_counter() - t0:.1f} s)")
 
 # %%
 plots.plot_prefix_caching(caching)
@@ -349,22 +333,20 @@ plots.plot_prefix_caching(caching)
 # swaps), and a prefill of those 512 tokens through the engine's `ModelRunner` on the paged
 # cache. On a CPU the "GPU" pool is ordinary memory too, so a swap is a memory-to-memory copy.
 
-# %%
+# %% tags=["timing"]
 from pagedlearn.sim import swap_recompute
 
-t0 = time.perf_counter()
 if env.gpu:  # GPT-2 small's shape on the GPU, every block size
     fig19 = swap_recompute.measure(model=swap_recompute.GPT2_SIZE_RANDOM, device="cuda")
 else:
     fig19 = swap_recompute.figure19(quick=env.quick)
 show(fig19, list(swap_recompute.FIELDS), digits=3)
-print(f"({time.perf_counter() - t0:.1f} s)")
 print(swap_recompute.PAPER_FIG19)
 
-# %%
+# %% tags=["timing"]
 swap_recompute.plot_figure19(fig19)
 
-# %%
+# %% tags=["timing"]
 first, last = fig19[0], fig19[-1]
 slowdown = first["swap_out_per_block_ms"] / last["swap_out_per_block_ms"]
 ratio = [r["recompute_over_swap"] for r in fig19]
@@ -439,7 +421,7 @@ print(f"block sizes where recompute beats swapping one copy per block: {cheaper 
 # - **sustainable rate** (our rule; the paper states none): where a system's normalized latency
 #   first passes 3x the unloaded latency (one target for both), interpolated between sweep points.
 
-# %%
+# %% tags=["timing"]
 from pagedlearn.sim import serving_latency
 
 t0 = time.perf_counter()
@@ -451,7 +433,7 @@ print(serving_latency.verdict(fig12_summary))
 print(serving_latency.PAPER_FIG12)
 print(f"({time.perf_counter() - t0:.1f} s)")
 
-# %%
+# %% tags=["timing"]
 plots.plot_figure12(fig12, fig12_summary)
 
 # %% [markdown]
@@ -488,7 +470,7 @@ plots.plot_figure12(fig12, fig12_summary)
 # fragmentation: an optimistic baseline), and by Hugging Face `generate()` on padded batches
 # that fit the same budget. It runs here (about 10 s on two CPU cores with `tiny-gpt2`):
 
-# %%
+# %% tags=["timing"]
 import subprocess
 import sys
 
