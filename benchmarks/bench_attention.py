@@ -47,7 +47,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from pagedlearn.attention import paged_attention_ref
+from pagedlearn.attention import decode_flops_and_bytes, paged_attention_ref
 
 SHAPES = {"GPT-2-like": (12, 12, 64), "GQA": (32, 8, 128)}  # num_heads, num_kv_heads, head_dim
 BLOCK_SIZE = 16
@@ -62,9 +62,9 @@ FORMULA = [
 
 
 def decode_bytes(lens, num_heads, num_kv_heads, head_dim, elem_size) -> int:
-    """Bytes decode must move: K and V of every cached token read once, q read and out written."""
-    kv = sum(lens) * num_kv_heads * head_dim * 2 * elem_size
-    return kv + 2 * len(lens) * num_heads * head_dim * elem_size
+    """Bytes decode must move: K and V of every cached token read once, q read and out written
+    (the count of ``pagedlearn.attention.decode_flops_and_bytes``, which chapter 05 uses too)."""
+    return decode_flops_and_bytes(lens, num_heads, num_kv_heads, head_dim, elem_size)[1]
 
 
 def make_case(lens, num_heads, num_kv_heads, head_dim, dtype, device, seed=0):
