@@ -87,8 +87,7 @@ def check_invariants(
                     f"cached block {b} is used by {seq_id!r} at logical block {j} "
                     "with other tokens or another prefix"
                 )
-    a = allocator
-    if indexed != {b for b in range(a.num_blocks) if a.is_cached(b)}:
+    if indexed != {b for b in range(allocator.num_blocks) if allocator.is_cached(b)}:
         _fail("the allocator's cached blocks differ from the prefix cache's")
 
 
