@@ -67,7 +67,15 @@ class KVCacheManager:
 
     With ``num_cpu_blocks``, a request's samples can be swapped out together and back in
     (``swap_out``, ``swap_in``: see swap.py).
+
+    The parts it is built from are class attributes, so that a subclass can swap in its own --
+    the labs run a real model on a student's allocator, block table and prefix cache this way
+    (``LLM(..., kv_cache_manager=...)``, see :mod:`pagedlearn.labs.plug`).
     """
+
+    allocator_class = BlockAllocator
+    block_table_class = BlockTable
+    prefix_cache_class = PrefixCache
 
     def __init__(
         self,
@@ -86,10 +94,10 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.model_id = model_id  # part of every block hash: no sharing across models
         self.trace = Trace()
-        self.allocator = BlockAllocator(num_blocks)
-        self.prefix_cache = PrefixCache() if enable_prefix_caching else None
+        self.allocator = self.allocator_class(num_blocks)
+        self.prefix_cache = self.prefix_cache_class() if enable_prefix_caching else None
         # The swap pool holds KV only while its sequence is swapped out: no caching, no eviction.
-        self.cpu_allocator = BlockAllocator(n_cpu) if n_cpu else None
+        self.cpu_allocator = self.allocator_class(n_cpu) if n_cpu else None
         self._seqs = SequenceTables()  # every sequence's table, on the GPU or swapped out
         # The same dicts under the names the tests and viz/state.py read.
         self._tables, self._swapped = self._seqs.gpu, self._seqs.cpu
@@ -140,7 +148,7 @@ class KVCacheManager:
             self._events.cache_hit(seq_id, hits)
         new = self._allocate(num_new, seq_id)
         self._events.allocate(seq_id, new)
-        table = BlockTable(bs, block_ids=hits + new, token_ids=tokens, block_hashes=hashes)
+        table = self.block_table_class(bs, hits + new, tokens, hashes)
         self._seqs.add(seq_id, table, extra)
         if self.prefix_cache is not None:
             # Register the prompt's full blocks now: the prefill that follows writes their KV,
@@ -171,12 +179,7 @@ class KVCacheManager:
             self._events.cow_copy(seq_id, src, dst)
         table.token_ids.append(token)
         if self.prefix_cache is not None and table.num_tokens % self.block_size == 0:
-            j = table.num_full_blocks - 1  # the block just filled up: hash it, then register it
-            parent, extra = parent_hash(table.block_hashes, j), self._seqs.extra_keys[seq_id]
-            table.block_hashes.append(
-                self.prefix_cache.hash_block(parent, table.block_tokens(j), extra)
-            )
-            self._index_blocks(seq_id, table, start=j)
+            self._cache_full_block(seq_id, table)
         return table.slot(pos)
 
     def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
@@ -359,6 +362,16 @@ class KVCacheManager:
         if self.prefix_cache is None:
             return [], []
         return self.prefix_cache.match(tokens, self.block_size, extra)
+
+    def _cache_full_block(self, seq_id: Hashable, table: BlockTable) -> None:
+        """The last block of ``table`` just filled up: hash it (chained on the block before) and
+        register it in the prefix cache, so that a later prompt can find it."""
+        j = table.num_full_blocks - 1
+        parent, extra = parent_hash(table.block_hashes, j), self._seqs.extra_keys[seq_id]
+        table.block_hashes.append(
+            self.prefix_cache.hash_block(parent, table.block_tokens(j), extra)
+        )
+        self._index_blocks(seq_id, table, start=j)
 
     def _index_blocks(self, seq_id: Hashable, table: BlockTable, start: int = 0) -> None:
         """Register ``table``'s hashed full blocks from logical block ``start`` on in the prefix

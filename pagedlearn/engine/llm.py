@@ -62,6 +62,11 @@ class LLM:
     upper bound for a reservation system. A request whose reservation exceeds the whole pool is
     rejected, like a prompt larger than the pool (``generate`` returns it with ``error`` set).
 
+    ``kv_cache_manager``: the class that does the block bookkeeping (default
+    :class:`~pagedlearn.KVCacheManager`); the labs pass one built from a student's own allocator,
+    copy-on-write and prefix cache (:func:`pagedlearn.labs.plug.your_kv_cache_manager`), so the
+    model runs -- and the live view draws -- *their* blocks.
+
     The model's attention implementation is switched to ``"pagedlearn"`` (see
     :mod:`pagedlearn.models.paged_attention`); switch it back with
     ``model.set_attn_implementation("sdpa")`` to use it without the engine.
@@ -85,6 +90,7 @@ class LLM:
         max_num_batched_tokens: int | None = None,
         enable_chunked_prefill: bool = True,
         kv_reservation: str = "paged",
+        kv_cache_manager=None,
         verbose: bool = True,
     ) -> None:
         from pagedlearn.models import LoadedModel, load
@@ -94,6 +100,11 @@ class LLM:
         _check_choice("attention_backend", attention_backend, ("auto", "triton", "torch"))
         _check_positive("block_size", block_size)
         _check_positive("max_num_seqs", max_num_seqs)
+        if kv_cache_manager is not None and not callable(kv_cache_manager):
+            raise PagedLearnError(
+                "kv_cache_manager must be a KVCacheManager class (or a callable taking its "
+                f"arguments), got {kv_cache_manager!r}"
+            )
         if num_blocks is not None and kv_cache_memory is not None:
             raise PagedLearnError("give num_blocks or kv_cache_memory, not both")
         dev = torch.device(
@@ -128,7 +139,7 @@ class LLM:
                 f"({max_num_seqs}): every running sequence decodes one token per step"
             )
 
-        kv = KVCacheManager(
+        kv = (kv_cache_manager or KVCacheManager)(
             num_blocks,
             block_size,
             enable_prefix_caching,
