@@ -10,7 +10,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-all lint format check-env bench lab notebooks figures clean
+.PHONY: install demo test test-all lint format check-env bench lab labs notebooks figures clean
 
 install: $(STAMP)
 
@@ -56,6 +56,11 @@ CHAPTERS ?=
 notebooks: $(STAMP)
 	$(BIN)/jupytext --sync notebooks/[0-9][0-9]_*.py
 	$(BIN)/python -m pagedlearn.chapters $(CHAPTERS)
+
+# After changing a function a lab names (or a lab notebook): regenerate the lab notebooks'
+# exercise cells from the package's source, and pair their .ipynb twins.
+labs: $(STAMP)
+	$(BIN)/python -m pagedlearn.labs.notebooks
 
 figures: $(STAMP)  ## regenerate every PNG in figures/ (seeded, offline)
 	$(BIN)/python -m pagedlearn figures

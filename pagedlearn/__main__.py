@@ -1,4 +1,4 @@
-"""Command line: ``python -m pagedlearn {demo, blocks, check-env, paper, figures}``."""
+"""Command line: ``python -m pagedlearn {demo, blocks, check-env, paper, figures, labs, grade}``."""
 
 from __future__ import annotations
 
@@ -46,7 +46,24 @@ def main(argv: list[str] | None = None) -> int:
     figures.add_argument("--out", default="figures", help="where to write the PNGs")
     figures.add_argument("--no-paper", action="store_true", help="skip the paper's figures")
     figures.add_argument("--quick", action="store_true", help="smaller simulations")
+    labs = sub.add_parser("labs", help="the graded labs: list them, or export the student handout")
+    labs_sub = labs.add_subparsers(dest="labs_command", required=True)
+    labs_sub.add_parser("list", help="one line per lab: <id>  <reference file>  <title>")
+    export = labs_sub.add_parser("export", help="write the student handout (no solutions) to DIR")
+    export.add_argument("dir", metavar="DIR")
+    grade = sub.add_parser("grade", help="grade a lab submission (exit 0: all pass, 1: some fail)")
+    grade.add_argument("lab", metavar="LAB", help="allocator, cow, prefix, attention, kernel, ...")
+    grade.add_argument(
+        "submission", metavar="SUBMISSION", nargs="*", help="the lab notebook, or its .py files"
+    )
+    grade.add_argument(
+        "--reference", action="store_true", help="grade the package's own code (full marks)"
+    )
+    grade.add_argument("--json", metavar="PATH", help="write Gradescope's results.json there")
     args = parser.parse_args(argv)
+
+    if args.command in ("labs", "grade"):
+        return _labs(args)
 
     if args.command == "figures":
         from pagedlearn.figures import make_figures
@@ -85,6 +102,33 @@ def main(argv: list[str] | None = None) -> int:
     from pagedlearn.check_env import check_env
 
     return check_env(include_dev=not args.no_dev)
+
+
+def _labs(args) -> int:
+    from pagedlearn.labs import LAB_IDS, get
+
+    if args.command == "grade":
+        from pagedlearn.labs.grader import run
+
+        if args.lab not in LAB_IDS:
+            print(
+                f"grade: no lab {args.lab!r}; the labs are: {', '.join(LAB_IDS)}", file=sys.stderr
+            )
+            return 2
+        if args.reference and args.submission:
+            print("grade: give a submission or --reference, not both", file=sys.stderr)
+            return 2
+        return run(args.lab, args.submission, args.reference, args.json)
+    if args.labs_command == "list":
+        for lab_id in LAB_IDS:
+            lab = get(lab_id)
+            print(f"{lab.id:<10} {','.join(lab.files):<52} {lab.title}")
+        return 0
+    from pagedlearn.labs.export import export
+
+    written = export(args.dir)
+    print(f"wrote the student handout: {len(written)} files in {args.dir}")
+    return 0
 
 
 if __name__ == "__main__":

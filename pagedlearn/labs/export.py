@@ -1,0 +1,114 @@
+"""``python -m pagedlearn labs export DIR``: the student handout, with no solution in it.
+
+The handout is one folder per lab, made from the package's own source::
+
+    DIR/README.md                 how to work, check and grade (for students)
+    DIR/01_allocator/01_allocator.ipynb     the lab notebook, exercise cells as stubs
+    DIR/01_allocator/block_allocator.py     the reference files, the lab's bodies as stubs
+    DIR/01_allocator/block_table.py
+    ...
+
+Students need pagedlearn installed (``pip install "pagedlearn[labs]"``): the checks, the pictures
+and the engine come from it. Every function a lab names is a stub in both the notebook and the
+``.py`` files; :func:`export` checks that by parsing what it wrote, so a solution cannot slip out.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from pagedlearn.labs import all_labs
+from pagedlearn.labs.handout import EXERCISE_TAG, _find, is_stub, lab_files
+
+STUDENT_README = """\
+# pagedlearn labs
+
+Six labs, taken in order. In each you write part of PagedAttention -- the block pool, copy-on-write,
+the prefix cache, the attention loop, the Triton kernel, the scheduler -- and the lab tells you
+precisely what is wrong, then your code serves a real model.
+
+{table}
+
+## How to work
+
+1. Install pagedlearn: `pip install "pagedlearn[labs]"` (or `make install` in its repository).
+2. Open a lab's notebook (`jupyter lab`), read it, and fill in the exercise cells. Each ends with
+   `check("...")`: run the cell, and read what it prints. A failure shows the shortest sequence
+   of operations that goes wrong, what was expected and what your code gave (for the memory
+   labs, a picture of your pool beside the reference's).
+3. Prefer plain files? Each folder has the same code as `.py` files, with the same stubs.
+
+## How to grade yourself (as your instructor will)
+
+    python -m pagedlearn grade allocator 01_allocator/01_allocator.ipynb
+    python -m pagedlearn grade allocator 01_allocator/block_allocator.py 01_allocator/block_table.py
+
+Exit status 0: every check passed; 1: some failed; 2: the submission could not be loaded.
+Submit what your instructor asks for: the notebook, or the `.py` files.
+"""
+
+
+def export(out_dir: str | Path) -> list[Path]:
+    """Write the handout into ``out_dir`` (created; files in it are overwritten); returns the
+    files written."""
+    import jupytext
+
+    from pagedlearn.chapters import clean
+    from pagedlearn.labs.notebooks import fill_exercises, lab_notebook
+
+    out = Path(out_dir)
+    written: list[Path] = []
+    rows = ["| Lab | Files | What you build | Chapter |", "|---|---|---|---|"]
+    for lab in all_labs():
+        folder = out / f"{lab.number:02d}_{lab.id}"
+        folder.mkdir(parents=True, exist_ok=True)
+        for name, source in lab_files(lab, blank=True).items():
+            path = folder / name
+            path.write_text(source)
+            written.append(path)
+        nb_path = lab_notebook(lab.id)
+        if nb_path.exists():
+            nb = jupytext.read(nb_path)
+            fill_exercises(nb, lab.id, blank=True)
+            for cell in nb.cells:
+                if cell.cell_type == "code":
+                    cell.outputs, cell.execution_count = [], None
+            _check_cells_are_stubs(nb, lab)
+            path = folder / f"{nb_path.stem}.ipynb"
+            jupytext.write(clean(nb), path, fmt="ipynb")
+            written.append(path)
+        files = ", ".join(f"`{Path(f).name}`" for f in lab.files)
+        rows.append(f"| {lab.number}. `{lab.id}` | {files} | {lab.title} | {lab.chapter} |")
+    readme = out / "README.md"
+    readme.write_text(STUDENT_README.format(table="\n".join(rows)))
+    written.append(readme)
+    _check_no_solutions(out)
+    return written
+
+
+def _check_no_solutions(out: Path) -> None:
+    """Every target in every handout file is a stub (a safety net for the instructor)."""
+    for lab in all_labs():
+        folder = out / f"{lab.number:02d}_{lab.id}"
+        for path in folder.glob("*.py"):
+            tree = ast.parse(path.read_text())
+            for ex in lab.exercises:
+                for qualname in ex.targets:
+                    try:
+                        fn = _find(tree, qualname)
+                    except LookupError:
+                        continue
+                    if not is_stub(fn):
+                        raise AssertionError(f"{path}: {qualname} is not a stub")
+
+
+def _check_cells_are_stubs(nb, lab) -> None:
+    """Every function an exercise cell defines under a target's name is a stub."""
+    names = {q.split(".")[-1] for ex in lab.exercises for q in ex.targets}
+    for cell in nb.cells:
+        if cell.cell_type != "code" or EXERCISE_TAG not in cell.metadata.get("tags", []):
+            continue
+        for node in ast.walk(ast.parse(cell.source)):
+            if isinstance(node, ast.FunctionDef) and node.name in names and not is_stub(node):
+                raise AssertionError(f"{lab.id}: the notebook's {node.name} is not a stub")

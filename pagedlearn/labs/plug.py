@@ -1,0 +1,74 @@
+"""Your code runs the model: a KV-cache manager built from a student's own lab answers.
+
+After the ``allocator``, ``cow`` and ``prefix`` labs a student has written the pool, the block
+table, fork and copy-on-write, and the prefix cache. :func:`your_kv_cache_manager` assembles them
+into one :class:`~pagedlearn.KVCacheManager` subclass, and ``LLM(...,
+kv_cache_manager=Manager)`` serves a real model on it::
+
+    Manager = your_kv_cache_manager(allocator="01_allocator.ipynb", cow="02_cow.ipynb",
+                                    prefix=globals())
+    llm = LLM("gpt2", num_blocks=64, kv_cache_manager=Manager)
+
+The mechanism is plain subclassing. ``KVCacheManager`` names its parts in class attributes
+(``allocator_class``, ``block_table_class``, ``prefix_cache_class``); the subclass sets them to the
+student's classes, and takes the student's ``KVCacheManager`` (from the ``cow`` lab) as its base.
+Anything not given is the reference's, and the function prints which parts are whose.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from pagedlearn.block_allocator import BlockAllocator
+from pagedlearn.block_table import BlockTable
+from pagedlearn.kv_cache_manager import KVCacheManager
+from pagedlearn.labs import get
+from pagedlearn.labs.submission import Submission, load
+from pagedlearn.prefix_cache import PrefixCache
+
+
+def _names(lab_id: str, part) -> dict | None:
+    """A lab answer as a dict of names: ``part`` is a namespace (``globals()``), a module, a path
+    (or list of paths) to the lab notebook / ``.py`` files, or None (the reference)."""
+    if part is None:
+        return None
+    if isinstance(part, dict):
+        return part
+    if isinstance(part, (str, os.PathLike, list, tuple)):
+        paths = [part] if isinstance(part, (str, os.PathLike)) else list(part)
+        return load(get(lab_id), [Path(p) for p in paths])._ns
+    if isinstance(part, Submission):
+        return part._ns
+    return vars(part)  # a module
+
+
+def your_kv_cache_manager(allocator=None, cow=None, prefix=None, verbose: bool = True) -> type:
+    """A KVCacheManager class made of the student's parts (see the module docstring)."""
+    a, c, p = _names("allocator", allocator), _names("cow", cow), _names("prefix", prefix)
+    base = c["KVCacheManager"] if c else KVCacheManager
+    attrs = {
+        "allocator_class": a["BlockAllocator"] if a else BlockAllocator,
+        "block_table_class": a["BlockTable"] if a else BlockTable,
+        "prefix_cache_class": _prefix_cache_class(p) if p else PrefixCache,
+    }
+    if verbose:
+        whose = {"allocator + block table": a, "fork / copy-on-write": c, "prefix cache": p}
+        print(
+            "KV-cache manager: "
+            + ", ".join(f"{k}: {'yours' if v else 'reference'}" for k, v in whose.items())
+        )
+    return type("YourKVCacheManager", (base,), attrs)
+
+
+def _prefix_cache_class(ns: dict) -> type:
+    """The student's PrefixCache, hashing with *their* ``hash_block`` (in a notebook, the
+    ``hash_block`` method the class inherits would call the reference's module function)."""
+    cls, hash_block = ns["PrefixCache"], ns.get("hash_block")
+    if hash_block is None:
+        return cls
+
+    def method(self, parent_hash, token_ids, extra_keys):
+        return hash_block(parent_hash, token_ids, extra_keys)
+
+    return type(cls.__name__, (cls,), {"hash_block": method})

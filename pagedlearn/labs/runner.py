@@ -1,0 +1,103 @@
+"""Run one check against a submission, in this process, and turn what happens into a verdict.
+
+Four things can happen, and each gets a message a student can act on:
+
+- the check returns: **passed**, full points;
+- it raises :class:`CheckFailed`: **failed**, with the check's own message (the operations, the
+  expected and the actual result);
+- the student's code raises ``NotImplementedError``: **not implemented yet**, quoting the stub's
+  task ("allocator: take n free blocks, all or nothing");
+- anything else (their code crashed, or loops past the time limit): **error**, naming the
+  exception and the line of their code that raised.
+
+The time limit uses ``SIGALRM``, so it interrupts a Python loop; the grader also runs checks in a
+child process it can kill (grader.py), for code stuck where no signal gets through.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from pagedlearn.labs.lab import Check, CheckFailed, student_line
+
+PASSED, FAILED, NOT_DONE, ERROR = "passed", "failed", "not implemented", "error"
+
+
+@dataclass
+class Outcome:
+    check: str
+    exercise: str
+    status: str  # PASSED, FAILED, NOT_DONE or ERROR
+    score: int
+    max_score: int
+    message: str = ""
+    seconds: float = 0.0
+    picture: Any = None  # CheckFailed.picture, for the notebook; never sent across processes
+
+    @property
+    def passed(self) -> bool:
+        return self.status == PASSED
+
+    def as_dict(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "picture"}
+
+
+class CheckTimeout(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float):
+    """Raise :class:`CheckTimeout` in this thread after ``seconds`` (main thread only; elsewhere
+    it does nothing, and the grader's process-level limit still applies)."""
+    if threading.current_thread() is not threading.main_thread() or seconds <= 0:
+        yield
+        return
+
+    def expire(signum, frame):
+        raise CheckTimeout
+
+    old = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def run_check(check: Check, sub: Any, timeout_s: float | None = None) -> Outcome:
+    """Run ``check`` on ``sub`` with its time limit; never raises (except KeyboardInterrupt)."""
+    limit = check.timeout_s if timeout_s is None else timeout_s
+    start = time.perf_counter()
+    status, message, picture = PASSED, "", None
+    try:
+        with time_limit(limit):
+            check.func(sub)
+    except CheckFailed as e:
+        status, message, picture = FAILED, e.message, e.picture
+        if isinstance(e.__cause__, NotImplementedError):
+            status, message = NOT_DONE, f"not implemented yet -- {e.__cause__}"
+    except NotImplementedError as e:
+        status, message = NOT_DONE, f"not implemented yet -- {e}"
+    except CheckTimeout:
+        status = ERROR
+        message = (
+            f"took longer than {limit:g} s and was stopped: an endless loop? (a correct "
+            "answer takes well under a second here)"
+        )
+    except KeyboardInterrupt:
+        raise
+    except BaseException as e:  # their code crashed outside any operation the check named
+        status = ERROR
+        message = f"your code raised {type(e).__name__}: {e}{student_line(e)}"
+    seconds = time.perf_counter() - start
+    score = check.points if status == PASSED else 0
+    return Outcome(
+        check.name, check.exercise, status, score, check.points, message, seconds, picture
+    )

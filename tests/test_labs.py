@@ -1,0 +1,292 @@
+"""The lab machinery: the handout, loading a submission, the runner, the grader and its CLI, the
+export, and the lab notebooks. (Each lab's own checks are tested in tests/test_lab_<lab>.py.)
+
+The grader is exercised end to end, as an instructor runs it: ``python -m pagedlearn grade`` on the
+reference (full marks for every lab), on the untouched handout (0 points, no crash), and on
+submissions that do not load, loop forever, or kill the process.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from pagedlearn.labs import LAB_IDS, get
+from pagedlearn.labs.handout import _find, blank_source, exercise_code, is_stub, lab_files
+from pagedlearn.labs.lab import Check, CheckFailed, Exercise, Lab
+from pagedlearn.labs.runner import ERROR, FAILED, NOT_DONE, PASSED, run_check
+from pagedlearn.labs.submission import SubmissionError, load
+
+ROOT = Path(__file__).resolve().parents[1]
+SOURCE = '''\
+"""A module."""
+
+import math
+
+
+def area(r):
+    """The area of a circle."""
+    # a comment that would give it away
+    return math.pi * r * r
+
+
+class Shape:
+    sides = 0
+
+    def describe(self):
+        return f"{self.sides} sides"
+
+    def double(self, x):
+        """Twice x."""
+        return 2 * x
+'''
+
+
+def cli(*args, timeout=300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "pagedlearn", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+    )
+
+
+# --- the handout ---------------------------------------------------------------------------------
+def test_blank_source_keeps_everything_but_the_bodies():
+    out = blank_source(SOURCE, {"area": "compute it", "Shape.double": "double it"}, "demo")
+    assert "# a comment that would give it away" not in out and "2 * x" not in out
+    assert "raise NotImplementedError('demo: compute it')" in out
+    assert '"""The area of a circle."""' in out and "def double(self, x):" in out
+    assert 'return f"{self.sides} sides"' in out  # not a target: untouched
+    tree = ast.parse(out)
+    assert is_stub(_find(tree, "area")) and is_stub(_find(tree, "Shape.double"))
+    assert not is_stub(_find(tree, "Shape.describe"))
+    ns: dict = {}
+    exec(compile(out, "handout", "exec"), ns)
+    with pytest.raises(NotImplementedError, match="demo: double it"):
+        ns["Shape"]().double(1)
+
+
+def test_blank_source_names_a_missing_target():
+    with pytest.raises(LookupError, match=r"Shape\.triple"):
+        blank_source(SOURCE, {"Shape.triple": "x"}, "demo")
+
+
+@pytest.mark.parametrize("lab_id", LAB_IDS)
+def test_every_target_is_blanked_in_the_handout_and_nothing_else_changes(lab_id):
+    lab = get(lab_id)
+    blank, full = lab_files(lab, blank=True), lab_files(lab, blank=False)
+    targets = [q for ex in lab.exercises for q in ex.targets]
+    found = set()
+    for name, source in blank.items():
+        tree, ref = ast.parse(source), ast.parse(full[name])
+        for q in targets:
+            try:
+                fn = _find(tree, q)
+            except LookupError:
+                continue
+            found.add(q)
+            assert is_stub(fn), f"{name}: {q} is not a stub"
+            assert ast.get_docstring(fn) == ast.get_docstring(_find(ref, q))
+        stubbed = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Raise)]
+        assert stubbed, name
+    assert found == set(targets), f"targets in no reference file: {set(targets) - found}"
+    for ex in lab.exercises:  # the notebook cells, both ways, are valid Python
+        ast.parse(exercise_code(lab, ex, blank=True))
+        ast.parse(exercise_code(lab, ex, blank=False))
+
+
+# --- loading and running -------------------------------------------------------------------------
+TOY = Lab(
+    "toy",
+    0,
+    "toy",
+    "none",
+    ("pagedlearn/block_table.py",),
+    (Exercise("slots", "slots", {"BlockTable.slot": "find the slot"}),),
+)
+
+
+def test_load_names_what_is_wrong_in_one_line(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("class BlockTable:\n    def slot(self, i)\n        return 0\n")
+    with pytest.raises(SubmissionError, match=r"bad.py, line 2: SyntaxError"):
+        load(TOY, [bad])
+    with pytest.raises(SubmissionError, match="no such file"):
+        load(TOY, [tmp_path / "missing.py"])
+    boom = tmp_path / "boom.py"
+    boom.write_text("x = 1\nclass BlockTable:\n    pass\nundefined_name\n")
+    with pytest.raises(SubmissionError, match=r"NameError.*boom.py, line 4"):
+        load(TOY, [boom])
+    other = tmp_path / "other.py"
+    other.write_text("def something_else():\n    pass\n")
+    with pytest.raises(SubmissionError, match="defines none of the lab's names"):
+        load(TOY, [other])
+    exits = tmp_path / "exits.py"
+    exits.write_text("import sys\nsys.exit(3)\n")
+    with pytest.raises(SubmissionError, match="SystemExit"):
+        load(TOY, [exits])
+
+
+def test_runner_turns_every_ending_into_a_verdict(tmp_path):
+    sub_file = tmp_path / "s.py"
+    sub_file.write_text(
+        textwrap.dedent(
+            """
+            class BlockTable:
+                def slot(self, i):
+                    if i == 0:
+                        raise NotImplementedError("toy: find the slot")
+                    if i == 1:
+                        return {}["missing"]
+                    while i == 2:
+                        pass
+                    return i
+            """
+        )
+    )
+    sub = load(TOY, [sub_file])
+
+    def check_with(i, expected):
+        def func(s):
+            got = s.BlockTable().slot(i)
+            if got != expected:
+                raise CheckFailed(f"slot({i}) should be {expected}; yours is {got}")
+
+        return Check(f"slot_{i}", "slots", 2, func, 0.5)
+
+    assert run_check(check_with(0, 0), sub).status == NOT_DONE
+    crash = run_check(check_with(1, 1), sub)
+    assert crash.status == ERROR and "KeyError" in crash.message and "s.py, line 7" in crash.message
+    loop = run_check(check_with(2, 2), sub)
+    assert loop.status == ERROR and "took longer than 0.5 s" in loop.message
+    wrong = run_check(check_with(3, 4), sub)
+    assert (wrong.status, wrong.score, wrong.message) == (
+        FAILED,
+        0,
+        "slot(3) should be 4; yours is 3",
+    )
+    assert run_check(check_with(5, 5), sub).status == PASSED
+    missing = run_check(Check("m", "slots", 1, lambda s: s.Nope, 1), sub)
+    assert missing.status == FAILED and "does not define 'Nope'" in missing.message
+
+
+# --- the grader, end to end -----------------------------------------------------------------------
+@pytest.mark.parametrize("lab_id", LAB_IDS)
+def test_the_reference_gets_full_marks(lab_id, tmp_path):
+    out = tmp_path / "results.json"
+    r = cli("grade", lab_id, "--reference", "--json", str(out))
+    assert r.returncode == 0, r.stdout + r.stderr
+    results = json.loads(out.read_text())
+    lab = get(lab_id)
+    assert results["score"] == lab.max_score > 0
+    assert len(results["tests"]) == len(lab.checks) >= 8
+    for t in results["tests"]:
+        assert set(t) >= {"name", "score", "max_score", "output"} and t["score"] == t["max_score"]
+    assert f"score {lab.max_score}/{lab.max_score}" in r.stdout
+
+
+@pytest.fixture(scope="module")
+def handout(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("handout")
+    r = cli("labs", "export", str(out))
+    assert r.returncode == 0, r.stderr
+    return out
+
+
+@pytest.mark.parametrize("lab_id", LAB_IDS)
+def test_the_untouched_handout_gets_zero_without_a_crash(lab_id, handout, tmp_path):
+    lab = get(lab_id)
+    folder = handout / f"{lab.number:02d}_{lab_id}"
+    files = [str(folder / Path(f).name) for f in lab.files]
+    notebooks = sorted(folder.glob("*.ipynb"))
+    assert len(notebooks) == 1, "each lab has one notebook"
+    for submission in (files, [str(notebooks[0])]):
+        out = tmp_path / "results.json"
+        r = cli("grade", lab_id, *submission, "--json", str(out))
+        assert r.returncode == 1, r.stdout + r.stderr
+        assert "Traceback" not in r.stdout + r.stderr
+        results = json.loads(out.read_text())
+        assert results["score"] == 0 and len(results["tests"]) == len(lab.checks)
+        assert "not implemented yet" in r.stdout
+
+
+def test_export_writes_no_solution(handout):
+    text = "\n".join(p.read_text() for p in handout.rglob("*") if p.is_file())
+    for lab_id in LAB_IDS:
+        lab = get(lab_id)
+        for path in lab.files:
+            tree = ast.parse((ROOT / path).read_text())
+            for q in (q for ex in lab.exercises for q in ex.targets):
+                try:
+                    fn = _find(tree, q)
+                except LookupError:
+                    continue
+                body = [s for s in fn.body if not isinstance(s, ast.Expr)] or fn.body
+                # The longest line of each body is distinctive enough to find a leak.
+                lines = [ast.unparse(s).splitlines()[0] for s in body]
+                longest = max(lines, key=len)
+                if len(longest) > 25:
+                    assert longest not in text, f"{lab_id}: the handout contains {q}'s {longest!r}"
+    assert (handout / "README.md").exists()
+
+
+def test_labs_list_names_each_lab_in_order():
+    r = cli("labs", "list")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert [line.split()[0] for line in lines] == list(LAB_IDS)
+    for line, lab_id in zip(lines, LAB_IDS, strict=True):
+        assert get(lab_id).files[0] in line and get(lab_id).title in line
+
+
+def test_grade_exits_2_with_one_line_when_the_submission_cannot_load(tmp_path):
+    bad = tmp_path / "block_allocator.py"
+    bad.write_text("class BlockAllocator:\n    def allocate(self, n)\n        pass\n")
+    for args in ((str(bad),), (str(tmp_path / "nope.py"),), ()):
+        r = cli("grade", "allocator", *args, "--json", str(tmp_path / "r.json"))
+        assert r.returncode == 2, r.stdout + r.stderr
+        assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert json.loads((tmp_path / "r.json").read_text())["score"] == 0
+    assert cli("grade", "nolab", str(bad)).returncode == 2
+
+
+def test_a_looping_or_exiting_submission_costs_points_not_the_grader(tmp_path, monkeypatch):
+    from pagedlearn.labs import grader
+
+    monkeypatch.setattr(grader, "MARGIN_S", 1.0)
+    lab = get("allocator")
+    files = {Path(p).name: (ROOT / p).read_text() for p in lab.files}
+    # slot() ignores the SIGALRM the worker's time limit uses: only the grader's kill stops it.
+    files["block_table.py"] = files["block_table.py"].replace(
+        "    def slot(self, i: int) -> int:\n",
+        "    def slot(self, i: int) -> int:\n"
+        "        import signal\n"
+        "        signal.signal(signal.SIGALRM, signal.SIG_IGN)\n"
+        "        while True:\n"
+        "            pass\n",
+    )
+    files["block_allocator.py"] = files["block_allocator.py"].replace(
+        "    def incref(self, ids: Iterable[int]) -> None:\n",
+        "    def incref(self, ids: Iterable[int]) -> None:\n"
+        "        import os\n"
+        "        os._exit(7)\n",
+    )
+    paths = []
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+        paths.append(str(tmp_path / name))
+    report = grader.grade("allocator", paths, time_limit=1.0)
+    assert report.exit_code == 1 and report.load_error is None
+    messages = [o.message for o in report.outcomes]
+    assert any("took longer than 1 s" in m for m in messages), messages
+    assert any("ended the Python process (exit status 7)" in m for m in messages), messages
+    assert any(o.status == PASSED for o in report.outcomes), "the other checks still ran"
+    assert len(report.outcomes) == len(lab.checks)
