@@ -61,6 +61,7 @@ notebooks: $(STAMP)
 # exercise cells from the package's source, and pair their .ipynb twins.
 labs: $(STAMP)
 	$(BIN)/python -m pagedlearn.labs.notebooks
+	$(BIN)/ruff format --quiet notebooks/labs/
 
 figures: $(STAMP)  ## regenerate every PNG in figures/ (seeded, offline)
 	$(BIN)/python -m pagedlearn figures

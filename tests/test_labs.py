@@ -290,3 +290,72 @@ def test_a_looping_or_exiting_submission_costs_points_not_the_grader(tmp_path, m
     assert any("ended the Python process (exit status 7)" in m for m in messages), messages
     assert any(o.status == PASSED for o in report.outcomes), "the other checks still ran"
     assert len(report.outcomes) == len(lab.checks)
+
+
+# --- the lab notebooks ---------------------------------------------------------------------------
+def _run_notebook(nb, cwd: Path, timeout: int = 300):
+    import os
+
+    import nbclient
+
+    from pagedlearn.chapters import OFFLINE_ENV
+
+    old = {k: os.environ.get(k) for k in OFFLINE_ENV}
+    os.environ.update(OFFLINE_ENV)
+    try:
+        client = nbclient.NotebookClient(nb, timeout=timeout, resources={"metadata": {"path": cwd}})
+        client.execute()
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return nb
+
+
+@pytest.mark.parametrize("lab_id", LAB_IDS)
+def test_lab_notebook_is_generated_from_the_source_and_paired(lab_id):
+    jupytext = pytest.importorskip("jupytext")
+    from pagedlearn.labs.notebooks import fill_exercises, lab_notebook
+
+    py = lab_notebook(lab_id)
+    nb = jupytext.read(py)
+    committed = [c.source for c in nb.cells]
+    found = fill_exercises(nb, lab_id, blank=False)
+    assert committed == [c.source for c in nb.cells], f"{py.name} is stale: run `make labs`"
+    assert found == [ex.id for ex in get(lab_id).exercises], "one cell per exercise, in order"
+    twin = jupytext.read(py.with_suffix(".ipynb"))
+    assert [c.source for c in twin.cells] == committed, f"{py.name} and its .ipynb differ"
+    first = nb.cells[0]
+    assert first.cell_type == "markdown" and first.source.startswith(
+        f"# Lab {get(lab_id).number}: "
+    )
+    assert get(lab_id).chapter in first.source, "the first cell points back to its chapter"
+
+
+@pytest.mark.parametrize("lab_id", LAB_IDS)
+def test_lab_notebook_runs_with_the_reference_and_stops_at_the_first_stub(lab_id):
+    jupytext = pytest.importorskip("jupytext")
+    pytest.importorskip("nbclient")
+    from nbclient.exceptions import CellExecutionError
+
+    from pagedlearn.labs.notebooks import LAB_NOTEBOOKS, fill_exercises, lab_notebook
+
+    nb = _run_notebook(jupytext.read(lab_notebook(lab_id)), LAB_NOTEBOOKS)
+    printed = "".join(
+        o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs
+    )
+    assert "[FAIL]" not in printed and "[PASS]" in printed, printed[-2000:]
+
+    handout = jupytext.read(lab_notebook(lab_id))
+    fill_exercises(handout, lab_id, blank=True)
+    with pytest.raises(CellExecutionError) as info:
+        _run_notebook(handout, LAB_NOTEBOOKS)
+    first = get(lab_id).exercises[0]
+    assert "NotImplementedError" in str(info.value)
+    assert f"{lab_id}: " in str(info.value), "the message is the stub's task"
+    ran = [c for c in handout.cells if c.cell_type == "code" and c.get("outputs")]
+    stopped = next(c for c in handout.cells if c.source.startswith(f"# Exercise {first.id!r}"))
+    assert any(o.get("ename") for o in stopped.outputs), "it stops at the first exercise"
+    assert ran
