@@ -33,6 +33,10 @@ last token. The first chunk starts after the prompt's cached prefix, which costs
 A request that can never fit -- it needs more blocks than the whole pool, even alone -- is failed
 with an error for that request alone; the others go on.
 
+The policy's three decisions are small methods, so that they read on their own (and lab 6,
+``scheduler``, has students write them): ``_can_admit`` (the block budget and its watermark),
+``_choose_victim`` (whom to preempt) and ``_preempt_by_recompute``.
+
 **Max-length reservation** (``kv_reservation="max"``, a baseline to compare paging against): the
 scheduler behaves like Orca (Max) in the paper's section 2.3. A waiting request is admitted only
 if the pool can hold, for each of its ``n`` sequences (samples or beams: no sharing assumed), the
@@ -159,7 +163,9 @@ class Scheduler:
                     continue
             ids = req.seq_ids * chunk
             while not fast and kv.blocks_to_append(ids) > kv.num_free_blocks:
-                victim = queue.pop() if queue else req  # the youngest; it has not appended yet
+                victim = self._choose_victim(queue, req)
+                if victim in queue:
+                    queue.remove(victim)  # it will not be handled this step
                 self._preempt(victim, out)
                 if victim is req:
                     break
@@ -215,18 +221,55 @@ class Scheduler:
                 continue
             if not self._fits_budgets(req, req.params.n, out):
                 return
-            alone = not self.running
             chunk = self._first_chunk(req, out)  # all of the prompt without chunking
             blocks = -(-chunk // bs) if len(req.seqs) == 1 else total  # ignoring cache hits
             if self.kv_reservation == "max":  # its whole reservation, not just the prompt
                 if not self._fits_reservation(req):
                     return
-            elif not alone and blocks + self.watermark > kv.num_free_blocks:
+            elif not self._can_admit(blocks):
                 return
             if not self._admit(req, out, chunk):
                 return
             self.waiting.pop(0)
             self._enqueue(self.running, req, RequestStatus.RUNNING)
+
+    # --- the policy's three decisions (lab 6, "scheduler", has students write them) -------------
+    def _can_admit(self, blocks: int) -> bool:
+        """May a waiting request whose prompt (or first chunk) needs ``blocks`` new blocks be
+        admitted now? Under the block budget: it must leave ``self.watermark`` blocks free, so
+        that the running requests can still grow next step without a preemption. When nothing
+        runs, there is nobody to protect: it is admitted if it fits in the free blocks at all
+        (else a prompt that needs the whole pool would wait forever).
+
+        >>> s = Scheduler(KVCacheManager(num_blocks=8, block_size=4), 8, 64)
+        >>> s.watermark, s._can_admit(8), s._can_admit(9)  # nothing runs: the whole pool
+        (1, True, False)
+        >>> s.running.append("a request")  # (any running request will do here)
+        >>> s._can_admit(7), s._can_admit(8)  # one block stays free
+        (True, False)
+        """
+        if not self.running:
+            return blocks <= self.kv.num_free_blocks
+        return blocks + self.watermark <= self.kv.num_free_blocks
+
+    def _choose_victim(self, queue: list[Request], req: Request) -> Request:
+        """Which request to preempt when running request ``req`` needs blocks the pool does not
+        have: the most recently arrived among those not yet handled this step -- the last of
+        ``queue`` (running requests behind ``req``, in arrival order) -- or ``req`` itself when
+        none is left (it is then the youngest, and it has not appended yet). Requests handled
+        earlier in the step are older; they keep their blocks (first come, first served)."""
+        return queue[-1] if queue else req
+
+    def _preempt_by_recompute(self, req: Request, out: SchedulerOutput) -> None:
+        """Preempt ``req`` by recompute: every sequence of it gives back all its blocks
+        (all or nothing), it goes back to ``waiting`` at its arrival position (so it comes back
+        before anyone who arrived after it), and the preemption is counted
+        (:meth:`_count_preemption`). Its sequences keep their tokens: readmitted, it prefills
+        prompt + generated tokens in one pass."""
+        for seq_id in req.seq_ids:
+            self.kv.free_sequence(seq_id)
+        self._count_preemption(req, out, "recompute")
+        self._enqueue(self.waiting, req, RequestStatus.WAITING)
 
     # --- max-length reservation ------------------------------------------------------------------
     def reserved_blocks(self, num_prompt_tokens: int, params) -> int:
@@ -346,26 +389,27 @@ class Scheduler:
         return pending if pending > 1 else 0
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
-        ids = req.seq_ids
-        mode = self.preemption_mode
-        if mode == "swap":
+        if self.preemption_mode == "swap":
             try:
-                out.swap_out.extend(self.kv.swap_out(ids))
+                out.swap_out.extend(self.kv.swap_out(req.seq_ids))
             except OutOfBlocksError:  # the CPU pool is full: fall back to recomputing
-                mode = "recompute"
-        if mode == "recompute":
-            for seq_id in ids:
-                self.kv.free_sequence(seq_id)
-        self.kv.trace.emit("preempt", (), tuple(ids), mode=mode)
+                pass
+            else:
+                self._count_preemption(req, out, "swap")
+                self._enqueue(self.swapped, req, RequestStatus.SWAPPED)
+                return
+        self._preempt_by_recompute(req, out)
+
+    def _count_preemption(self, req: Request, out: SchedulerOutput, mode: str) -> None:
+        """Book a preemption of ``req`` (``mode``: "recompute" or "swap"): the trace event (the
+        live view draws it), the scheduler's and the request's counters, the step's output (no
+        admissions in a step that preempted), and ``req`` out of ``running``."""
+        self.kv.trace.emit("preempt", (), tuple(req.seq_ids), mode=mode)
         self.num_preemptions[mode] += 1
         req.metrics.num_preemptions += 1
         out.preempted.append(req)
         if req in self.running:
             self.running.remove(req)
-        if mode == "swap":
-            self._enqueue(self.swapped, req, RequestStatus.SWAPPED)
-        else:
-            self._enqueue(self.waiting, req, RequestStatus.WAITING)
 
     def _fail(self, req: Request, out: SchedulerOutput, why: str) -> None:
         for queue in (self.waiting, self.swapped, self.running):

@@ -1,0 +1,476 @@
+"""Lab 6 · scheduler: admission under a block budget, and preemption by recompute.
+
+You write the three decisions of the paper's scheduling policy (section 4.5), practised in
+chapter 07 (``07_scheduling_and_preemption``), as methods of the engine's own
+:class:`~pagedlearn.engine.scheduler.Scheduler`; its step loop, chunked prefill and swapping stay
+the package's:
+
+- ``admit`` -- ``_can_admit(blocks)``: may a waiting prompt that needs ``blocks`` blocks start now?
+  It must leave a watermark of free blocks, except when nothing runs;
+- ``victim`` -- ``_choose_victim(queue, req)``: a running request needs a block and none is free:
+  whom to preempt? The most recently arrived one not yet handled this step -- maybe the asker;
+- ``preempt`` -- ``_preempt_by_recompute(req, out)``: free every block of every sequence, back to
+  the waiting queue at its arrival position, counted.
+
+What the checks look at. Unit checks drive a Scheduler by hand (a ``KVCacheManager``, hand-made
+requests) and name the situation where your answer differs. Then the real engine serves
+tiny-gpt2 (offline, random weights, CPU) on a small pool with your method inside the package's
+scheduler, beside the package's own scheduler on the same workload: the same requests must be
+admitted, preempted and finished at the same steps, with the same tokens (greedy decoding, and
+recompute is exact); the pool must pass its invariants after every step; no request may be lost
+or keep blocks at the end; nothing may wait forever (a step limit). The last check runs your
+whole scheduler on those workloads and on random ones (hypothesis shrinks a failing workload to
+the smallest it finds).
+
+Your scheduler serves a model: ``your_engine(Scheduler, num_blocks=12, block_size=4)`` is an
+engine (``LLM(...).engine``, tiny-gpt2 unless ``model=`` says otherwise) whose scheduler is your
+class; the lab notebook's last cell runs a workload on it, step by step.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+from hypothesis import strategies as st
+
+from pagedlearn.engine.request import Request, RequestMetrics, RequestStatus
+from pagedlearn.engine.sampling_params import SamplingParams
+from pagedlearn.engine.scheduler import Scheduler, SchedulerOutput
+from pagedlearn.errors import PagedLearnError
+from pagedlearn.kv_cache_manager import KVCacheManager
+from pagedlearn.labs.lab import CheckFailed, Exercise, Lab, crashed, explore
+
+LAB = Lab(
+    id="scheduler",
+    number=6,
+    title="Admission and preemption",
+    chapter="07_scheduling_and_preemption",
+    files=("pagedlearn/engine/scheduler.py",),
+    exercises=(
+        Exercise(
+            "admit",
+            "Admission under a block budget",
+            {
+                "Scheduler._can_admit": "return whether a prompt needing `blocks` new blocks "
+                "may start now: while requests run, it must leave self.watermark blocks free; "
+                "when nothing runs, it only has to fit in the free blocks"
+            },
+        ),
+        Exercise(
+            "victim",
+            "Whom to preempt",
+            {
+                "Scheduler._choose_victim": "return the request to preempt: the most recently "
+                "arrived one not yet handled this step (the last of `queue`), or `req` itself "
+                "when `queue` is empty"
+            },
+        ),
+        Exercise(
+            "preempt",
+            "Preemption by recompute",
+            {
+                "Scheduler._preempt_by_recompute": "free every block of every sequence of "
+                "`req`, count the preemption (self._count_preemption), and put `req` back in "
+                "the waiting queue at its arrival position, status WAITING (self._enqueue)"
+            },
+        ),
+    ),
+)
+
+
+def _yours(sub, *methods: str) -> type:
+    """The package's Scheduler with the student's ``methods``, so that each exercise is graded
+    on its own; with none, the student's whole Scheduler."""
+    theirs = sub.Scheduler
+    if not methods:
+        return theirs
+    return type("YourScheduler", (Scheduler,), {m: getattr(theirs, m) for m in methods})
+
+
+def _call(what: str, fn):
+    try:
+        return fn()
+    except (CheckFailed, NotImplementedError):
+        raise
+    except Exception as e:
+        raise crashed([what], e) from e
+
+
+def _ids(reqs) -> list:
+    return [getattr(r, "request_id", r) for r in reqs]
+
+
+# --- a Scheduler driven by hand ------------------------------------------------------------------
+def _request(rid: str, arrival: int, num_tokens: int) -> Request:
+    tokens = [(7 * arrival + 3 * i) % 250 + 1 for i in range(num_tokens)]
+    req = Request(rid, None, tokens, SamplingParams(), RequestMetrics(0.0), arrival)
+    req.seqs.append(req.new_sequence(list(tokens)))
+    return req
+
+
+def _scheduler(cls: type, num_blocks: int, running: dict[str, int]) -> Scheduler:
+    """``cls`` over a pool of ``num_blocks`` blocks of 4 tokens, with running requests
+    ``{id: tokens}`` (in arrival order) holding their blocks."""
+    s = cls(KVCacheManager(num_blocks, 4), 16, 512)
+    for i, (rid, num_tokens) in enumerate(running.items()):
+        req = _request(rid, i, num_tokens)
+        s.kv.add_sequence(req.seqs[0].seq_id, req.seqs[0].token_ids)
+        req.status = RequestStatus.RUNNING
+        s.running.append(req)
+    return s
+
+
+# --- the real engine on tiny-gpt2, beside the package's scheduler ---------------------------------
+@functools.cache
+def _model():
+    from pagedlearn.models import load
+
+    return load("tiny-gpt2")  # offline: random weights, byte tokenizer; loaded once per process
+
+
+def your_engine(scheduler_class: type, model=None, **llm_args):
+    """An engine (``LLM(...).engine``) whose scheduler is a ``scheduler_class``, built with the
+    arguments the engine gave its own; ``model``: tiny-gpt2 unless given. ``llm_args`` go to
+    :class:`~pagedlearn.LLM` (``num_blocks``, ``block_size``, ...)."""
+    from pagedlearn import LLM
+
+    llm_args.setdefault("verbose", False)
+    engine = LLM(_model() if model is None else model, **llm_args).engine
+    s = engine.scheduler
+    args = (s.max_num_batched_tokens, s.preemption_mode, s.chunked_prefill, s.kv_reservation)
+    engine.scheduler = scheduler_class(engine.kv, s.max_num_seqs, *args, s.max_model_len)
+    return engine
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A pool, and requests ``(id, prompt tokens, max_tokens, n)`` that all arrive at once."""
+
+    num_blocks: int
+    block_size: int
+    requests: tuple[tuple[str, int, int, int], ...]
+
+    def __str__(self) -> str:
+        reqs = "; ".join(
+            f"{r!r}: {p} prompt tokens, max_tokens={m}" + (f", n={n}" if n > 1 else "")
+            for r, p, m, n in self.requests
+        )
+        return f"(pool of {self.num_blocks} blocks of {self.block_size} tokens; {reqs})"
+
+
+# Admission: 'c' must leave the watermark free; 'd' needs the whole pool, so it runs alone.
+ADMIT = Workload(12, 4, (("a", 15, 6, 1), ("b", 19, 6, 1), ("c", 12, 4, 1), ("d", 46, 2, 1),
+                         ("e", 5, 3, 1)))  # fmt: skip
+# Preemption: 'c' (2 samples) asks and 'e' is taken; later the youngest running asks for itself.
+PREEMPT = Workload(12, 4, (("a", 9, 12, 1), ("b", 7, 12, 1), ("c", 8, 10, 2), ("d", 5, 8, 1),
+                           ("e", 6, 6, 1)))  # fmt: skip
+
+
+@dataclass
+class Served:
+    """One run: per step, what moved and the queues after; tokens and counts at the end."""
+
+    steps: list[tuple] = field(default_factory=list)  # see serve
+    tokens: dict = field(default_factory=dict)  # request -> its sequences' tokens
+    preemptions: dict = field(default_factory=dict)  # request -> its metrics.num_preemptions
+    counted: dict = field(default_factory=dict)  # scheduler.num_preemptions at the end
+    error: str = ""  # why the run stopped early, or what it left behind
+
+
+def serve(cls: type, w: Workload, max_steps: int = 200) -> Served:
+    """Run ``w`` on the engine with scheduler class ``cls``, checking the pool after each step.
+    A step is recorded as (admitted, preempted, finished, running, waiting, free blocks)."""
+    import torch
+
+    # One thread: a 2-layer model gains nothing from more, and on a busy machine (a grader
+    # beside other jobs) torch's threads waiting for each other made runs 10x slower.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _serve(cls, w, max_steps)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _serve(cls: type, w: Workload, max_steps: int) -> Served:
+    engine = your_engine(cls, num_blocks=w.num_blocks, block_size=w.block_size)
+    s, kv = engine.scheduler, engine.kv
+    for k, (rid, num_tokens, max_tokens, n) in enumerate(w.requests):
+        prompt = [(31 * k + 7 * i) % 250 + 1 for i in range(num_tokens)]
+        engine.add_request(rid, prompt, SamplingParams(max_tokens=max_tokens, n=n, ignore_eos=True))
+    run = Served()
+    while engine.has_unfinished_requests():
+        if len(run.steps) == max_steps:
+            run.error = (
+                f"after {max_steps} steps {len(s.waiting)} requests are still waiting "
+                f"{_ids(s.waiting)} with {kv.num_free_blocks} free blocks and {len(s.running)} "
+                "running: admission never lets them in"
+            )
+            return run
+        before = _ids(s.running)
+        try:
+            outs = engine.step()
+        except (CheckFailed, NotImplementedError):
+            raise
+        except Exception as e:
+            run.error = crashed([f"engine step {len(run.steps) + 1}"], e).message
+            return run
+        done = [o.request_id for o in outs if o.finished]
+        for o in outs:
+            if o.finished:
+                run.tokens[o.request_id] = [c.token_ids for c in o.outputs]
+                run.preemptions[o.request_id] = o.metrics.num_preemptions
+        running, waiting = _ids(s.running), _ids(s.waiting)
+        admitted = [r for r in running + done if r not in before]
+        preempted = [r for r in waiting if r in before]
+        run.steps.append((admitted, preempted, done, running, waiting, kv.num_free_blocks))
+        try:
+            kv.check_invariants()
+        except PagedLearnError as e:
+            run.error = f"after step {len(run.steps)} the block pool is broken: {e}"
+            return run
+    run.counted = dict(s.num_preemptions)
+    if lost := [r for r in engine.requests if r not in run.tokens]:
+        run.error = f"{lost} never finished, and no queue holds them: they were lost"
+    elif kv.num_free_blocks != w.num_blocks:
+        held = {q: kv.block_table(q) for q in kv.sequences()}
+        run.error = f"after the last request finished, blocks are still held: {held}"
+    return run
+
+
+def _line(step: tuple) -> str:
+    admitted, preempted, done, running, waiting, free = step
+    moves = [f"{v} {x}" for v, x in (("admits", admitted), ("preempts", preempted)) if x]
+    moves += [f"finishes {done}"] if done else []
+    what = "; ".join(moves) or "moves nobody"
+    return f"{what} -> running {running}, waiting {waiting}, {free} free blocks"
+
+
+@functools.cache
+def _reference_run(w: Workload) -> Served:
+    return serve(Scheduler, w)
+
+
+def compare(cls: type, w: Workload) -> None:
+    """Serve ``w`` with scheduler class ``cls`` and with the package's; raise CheckFailed at
+    the first difference: a step that moved other requests, other tokens, other counts."""
+    ref, yours = _reference_run(w), serve(cls, w)
+    for i, (a, b) in enumerate(zip(ref.steps, yours.steps, strict=False)):
+        if a != b:
+            before = _line(ref.steps[i - 1]).split("-> ")[1] if i else "all waiting"
+            then = f"\nand then: {yours.error}" if yours.error else ""
+            raise CheckFailed(
+                f"{w}\nstep {i + 1} (before it: {before}):\n  the reference {_line(a)}\n"
+                f"  yours {_line(b)}{then}"
+            )
+    if yours.error or len(yours.steps) != len(ref.steps):
+        raise CheckFailed(f"{w}\n{yours.error or 'your run ended after the reference'}")
+    for rid, want in ref.tokens.items():
+        if yours.tokens[rid] != want:
+            raise CheckFailed(
+                f"{w}\nrequest {rid!r} generated {yours.tokens[rid]}; the reference {want} (a "
+                "preempted request keeps its tokens and prefills them again)"
+            )
+    for what, a, b in (
+        ("scheduler.num_preemptions", ref.counted, yours.counted),
+        ("each request's metrics.num_preemptions", ref.preemptions, yours.preemptions),
+    ):
+        if a != b:
+            raise CheckFailed(f"{w}\nat the end, {what} should be {a}; yours is {b}")
+
+
+# --- admit ---------------------------------------------------------------------------------------
+@LAB.check("admit", points=2)
+def admit_keeps_the_watermark_free(sub):
+    for num_blocks, held in ((12, 20), (300, 1160)):  # 7 and 10 blocks free; watermarks 1, 3
+        s = _scheduler(_yours(sub, "_can_admit"), num_blocks, {"a": held})
+        free, wm = s.kv.num_free_blocks, s.watermark
+        for blocks in (1, free + 1, free, free - wm + 1, free - wm):
+            want = blocks + wm <= free
+            got = _call(f"_can_admit({blocks})", functools.partial(s._can_admit, blocks))
+            if bool(got) != want:
+                rule = f"{blocks} + watermark {wm} {'<=' if want else '>'} {free} free"
+                if blocks > free:
+                    rule = f"it does not even fit in the {free} free blocks"
+                raise CheckFailed(
+                    f"with 1 request running and {free} of {num_blocks} blocks free (watermark "
+                    f"{wm}), _can_admit({blocks}) should be {want} ({rule}); yours is {got!r}"
+                )
+
+
+@LAB.check("admit", points=2)
+def admit_alone_if_it_fits(sub):
+    for num_blocks in (12, 300):
+        s = _scheduler(_yours(sub, "_can_admit"), num_blocks, {})
+        for blocks in (1, num_blocks + 1, num_blocks, num_blocks - 1):
+            want = blocks <= num_blocks
+            got = _call(f"_can_admit({blocks})", functools.partial(s._can_admit, blocks))
+            if bool(got) != want:
+                why = "nobody runs, so no watermark" if want else "it does not fit"
+                raise CheckFailed(
+                    f"with nothing running and all {num_blocks} blocks free (watermark "
+                    f"{s.watermark}), _can_admit({blocks}) should be {want} ({why}); yours is "
+                    f"{got!r}"
+                )
+
+
+@LAB.check("admit", points=2, timeout_s=30)
+def admission_on_the_engine(sub):
+    compare(_yours(sub, "_can_admit"), ADMIT)
+
+
+# --- victim --------------------------------------------------------------------------------------
+def _victim(sub, names: str, asker: int):
+    """Running ``names`` (in arrival order); the one at ``asker`` needs a block, none is free.
+    Returns (the expected victim, the student's, the situation in words)."""
+    s = _scheduler(_yours(sub, "_choose_victim"), 16, {r: 6 for r in names})
+    req, queue = s.running[asker], s.running[asker + 1 :]
+    call = f"_choose_victim({_ids(queue)}, {req.request_id!r})"
+    got = _call(call, lambda: s._choose_victim(list(queue), req))
+    when = (
+        f"running {list(names)} (in arrival order): when {req.request_id!r} needs a block and "
+        f"none is free, with {_ids(s.running[:asker])} handled earlier this step, {call}"
+    )
+    return (queue[-1] if queue else req), got, when
+
+
+@LAB.check("victim", points=2)
+def victim_is_the_youngest_not_yet_handled(sub):
+    for names, asker in (("abcd", 1), ("abcd", 0), ("abcd", 2), ("abc", 1)):
+        want, got, when = _victim(sub, names, asker)
+        if got is not want:
+            raise CheckFailed(
+                f"{when} should return {want.request_id!r} (the most recently arrived not yet "
+                f"handled); yours returns {_ids([got])[0]!r}"
+            )
+
+
+@LAB.check("victim", points=2)
+def victim_is_the_asker_when_it_is_the_youngest(sub):
+    for names in ("abcd", "a"):
+        want, got, when = _victim(sub, names, len(names) - 1)
+        if got is not want:
+            raise CheckFailed(
+                f"{when} should return {want.request_id!r} itself: everyone else is older and "
+                f"keeps its blocks; yours returns {_ids([got])[0]!r}"
+            )
+
+
+@LAB.check("victim", points=2, timeout_s=30)
+def preemption_on_the_engine(sub):
+    compare(_yours(sub, "_choose_victim"), PREEMPT)
+
+
+# --- preempt -------------------------------------------------------------------------------------
+SETUP = (
+    "running a, c (2 samples sharing their first block), d; waiting b (preempted earlier) and e; "
+    "arrival order a, b, c, d, e. After _preempt_by_recompute(c), "
+)
+
+
+def _preempt_c(sub):
+    """The situation of SETUP; the student preempts c. Returns the scheduler, c, the step's
+    output, the trace's events, and (free blocks, c's tokens) before."""
+    s = _scheduler(_yours(sub, "_preempt_by_recompute"), 16, {"a": 6, "c": 5, "d": 9})
+    _, c, d = s.running
+    c.arrival_index, d.arrival_index = 2, 3
+    c.seqs.append(c.new_sequence(list(c.seqs[0].token_ids)))  # n=2: c.1 shares c.0's blocks
+    s.kv.fork("c.0", "c.1")
+    for seq in c.seqs:  # each appends a token: c.0 copies the shared last block on write
+        seq.token_ids.append(9)
+        s.kv.append_token(seq.seq_id, 9)
+    s.waiting += [_request("b", 1, 7), _request("e", 4, 3)]
+    events: list = []
+    s.kv.trace.subscribe(events.append)
+    before = (s.kv.num_free_blocks, {q.seq_id: list(q.token_ids) for q in c.seqs})
+    out = SchedulerOutput()
+    _call("_preempt_by_recompute(c)", lambda: s._preempt_by_recompute(c, out))
+    return s, c, out, events, before
+
+
+@LAB.check("preempt", points=2)
+def recompute_frees_every_block(sub):
+    s, c, _, _, (free, tokens) = _preempt_c(sub)
+    for seq_id in ("c.0", "c.1"):
+        if seq_id in s.kv:
+            raise CheckFailed(
+                f"{SETUP}{seq_id!r} still holds blocks {s.kv.block_table(seq_id)}: every "
+                "sequence of the request must give back all its blocks (self.kv.free_sequence)"
+            )
+    if s.kv.num_free_blocks != free + 3:
+        raise CheckFailed(
+            f"{SETUP}{free + 3} blocks should be free ({free} before, + the 3 distinct blocks "
+            f"of c); yours leaves {s.kv.num_free_blocks}"
+        )
+    try:
+        s.kv.check_invariants()
+    except PagedLearnError as e:
+        raise CheckFailed(f"{SETUP}the block pool is broken: {e}") from None
+    if (now := {q.seq_id: q.token_ids for q in c.seqs}) != tokens:
+        raise CheckFailed(
+            f"{SETUP}c's sequences should keep their tokens {tokens} (they are prefilled again "
+            f"when c is readmitted); they are {now}"
+        )
+
+
+@LAB.check("preempt", points=2)
+def recompute_requeues_in_arrival_order(sub):
+    s, c, _, _, _ = _preempt_c(sub)
+    if (waiting := _ids(s.waiting)) != ["b", "c", "e"]:
+        raise CheckFailed(
+            f"{SETUP}the waiting queue should be ['b', 'c', 'e']: c goes back at its arrival "
+            f"position, ahead of e who arrived after it; yours is {waiting}"
+        )
+    if c.status is not RequestStatus.WAITING:
+        raise CheckFailed(f"{SETUP}c's status should be WAITING; yours is {c.status}")
+
+
+@LAB.check("preempt", points=1)
+def recompute_is_counted(sub):
+    s, c, out, events, _ = _preempt_c(sub)
+    found = {
+        "scheduler.num_preemptions": s.num_preemptions,
+        "c.metrics.num_preemptions": c.metrics.num_preemptions,
+        "out.preempted": _ids(out.preempted),
+        "the running queue": _ids(s.running),
+        "the trace's preempt events": [(e.seqs, e.info) for e in events if e.kind == "preempt"],
+    }
+    want = {
+        "scheduler.num_preemptions": {"recompute": 1, "swap": 0},
+        "c.metrics.num_preemptions": 1,
+        "out.preempted": ["c"],
+        "the running queue": ["a", "d"],
+        "the trace's preempt events": [(("c.0", "c.1"), {"mode": "recompute"})],
+    }
+    for what, value in want.items():
+        if found[what] != value:
+            raise CheckFailed(
+                f"{SETUP}{what} should be {value}; yours is {found[what]} (count the preemption "
+                "with self._count_preemption(req, out, 'recompute'): it books all of these)"
+            )
+
+
+@LAB.check("preempt", points=2, timeout_s=30)
+def recompute_on_the_engine(sub):
+    compare(_yours(sub, "_preempt_by_recompute"), PREEMPT)
+
+
+WORKLOADS = st.builds(  # small pools under pressure: most of them preempt
+    Workload,
+    st.integers(6, 10),  # blocks in the pool (a 12-token prompt always fits)
+    st.sampled_from([2, 4]),  # tokens per block
+    st.lists(  # requests: prompt tokens, max_tokens, n
+        st.tuples(st.integers(1, 12), st.integers(1, 16), st.sampled_from([1, 1, 1, 2])),
+        min_size=2,
+        max_size=6,
+    ).map(lambda rs: tuple((chr(97 + i), *r) for i, r in enumerate(rs))),
+)
+
+
+@LAB.check("preempt", points=3, timeout_s=60)
+def your_scheduler_on_random_workloads(sub):
+    yours = _yours(sub)  # all three of your methods together (and, in a .py file, the rest)
+    for w in (ADMIT, PREEMPT):
+        compare(yours, w)
+    explore(WORKLOADS, lambda w: compare(yours, w), max_examples=40)
