@@ -24,10 +24,8 @@ import os
 import sys
 
 from pagedlearn.labs import get
-from pagedlearn.labs.runner import NOT_DONE, Outcome, run_check
+from pagedlearn.labs.runner import MARK, NOT_DONE, Outcome, run_check
 from pagedlearn.labs.submission import GRADING_ENV, Submission
-
-MARK = {"passed": "PASS", "failed": "FAIL", "not implemented": "TODO", "error": "FAIL"}
 
 
 class NotDoneYet(NotImplementedError):
@@ -48,8 +46,11 @@ def given(lab_id: str) -> dict:
 
 def start(lab_id: str, namespace: dict):
     """Prepare a lab notebook's ``namespace`` (its ``globals()``); returns its ``check``."""
+    from pagedlearn.notebook import _show_figures_inline
+
     lab = get(lab_id)
     namespace.update(given(lab_id))
+    _show_figures_inline()  # a failure's picture is a Figure: shown only with the inline hook
 
     def check(exercise: str) -> list[Outcome] | None:
         if os.environ.get(GRADING_ENV) == "1":

@@ -34,7 +34,7 @@ from pathlib import Path
 
 from pagedlearn.labs import get
 from pagedlearn.labs.lab import Lab
-from pagedlearn.labs.runner import ERROR, PASSED, Outcome
+from pagedlearn.labs.runner import ERROR, MARK, PASSED, Outcome
 from pagedlearn.labs.submission import SubmissionError
 
 LOAD_TIMEOUT_S = 60.0  # importing torch / triton and the submission
@@ -64,8 +64,6 @@ class Report:
         return 0 if all(o.status == PASSED for o in self.outcomes) else 1
 
     def text(self) -> str:
-        from pagedlearn.labs.feedback import MARK
-
         lines = [f"pagedlearn grade {self.lab.id}: {self.origin}"]
         if self.load_error is not None:
             return f"cannot load {self.origin}: {self.load_error}"
@@ -170,6 +168,9 @@ class _Worker:
         self.stderr = tempfile.TemporaryFile()  # noqa: SIM115
         root = str(Path(__file__).resolve().parents[2])
         env = {
+            # One thread for torch's CPU ops: the checks run tiny shapes, where more threads only
+            # contend (on a busy 2-core machine a forward pass went from 2 ms to 200 ms).
+            "OMP_NUM_THREADS": "1",
             **os.environ,
             "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]),
         }

@@ -26,6 +26,7 @@ from typing import Any
 from pagedlearn.labs.lab import Check, CheckFailed, student_line
 
 PASSED, FAILED, NOT_DONE, ERROR = "passed", "failed", "not implemented", "error"
+MARK = {PASSED: "PASS", FAILED: "FAIL", NOT_DONE: "TODO", ERROR: "FAIL"}  # how a line starts
 
 
 @dataclass

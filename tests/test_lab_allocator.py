@@ -1,0 +1,197 @@
+"""The ``allocator`` lab's checks: the reference gets full marks, the untouched handout none, and
+each plausible mistake (a small patch to the reference) loses points with a message naming it."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedlearn.labs import get
+from pagedlearn.labs.handout import lab_files
+from pagedlearn.labs.runner import FAILED, NOT_DONE, PASSED, run_check
+from pagedlearn.labs.submission import load, reference
+
+LAB = get("allocator")
+POOL, TABLE = "block_allocator.py", "block_table.py"
+
+
+def grade(sub):
+    return [run_check(c, sub) for c in LAB.checks]
+
+
+def write(tmp_path, files: dict[str, str]) -> list:
+    paths = []
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+        paths.append(tmp_path / name)
+    return paths
+
+
+def test_lab_is_well_formed():
+    assert LAB.number == 1 and 8 <= len(LAB.checks) <= 15
+    assert all(1 <= c.points <= 3 for c in LAB.checks)
+    assert {c.exercise for c in LAB.checks} == {"pool", "table"}
+
+
+def test_reference_gets_full_marks():
+    outcomes = grade(reference(LAB))
+    assert [o.message for o in outcomes if not o.passed] == []
+    assert sum(o.score for o in outcomes) == LAB.max_score
+
+
+def test_handout_gets_nothing(tmp_path):
+    sub = load(LAB, write(tmp_path, lab_files(LAB, blank=True)))
+    outcomes = grade(sub)
+    assert sum(o.score for o in outcomes) == 0
+    assert {o.status for o in outcomes} <= {NOT_DONE, FAILED}
+    assert all("allocator: " in o.message for o in outcomes if o.status == NOT_DONE)
+
+
+# (file, old text, new text, a phrase the failing message must contain)
+MISTAKES = [
+    pytest.param(
+        POOL,
+        "self._free_cached.popitem(last=False)",
+        "self._free_cached.popitem(last=True)",
+        "least recently freed first",
+        id="evicts_mru",
+    ),
+    pytest.param(
+        POOL,
+        "            if self._free_empty:\n                block_id, _ = self",
+        "            if not self._free_cached:\n                block_id, _ = self",
+        "taken first",
+        id="takes_cached_before_empty",
+    ),
+    pytest.param(
+        POOL,
+        "        if n > self.num_free_blocks:\n"
+        "            raise OutOfBlocksError(n, self.num_free_blocks, self._num_blocks)\n"
+        "        ids = []\n        for _ in range(n):\n",
+        "        ids = []\n        for _ in range(n):\n"
+        "            if not self.num_free_blocks:\n"
+        "                raise OutOfBlocksError(n, len(ids), self._num_blocks)\n",
+        "all or nothing",
+        id="allocate_not_all_or_nothing",
+    ),
+    pytest.param(
+        POOL,
+        "        for b, times in Counter(ids).items():\n"
+        "            if times > self._refcounts[b]:\n"
+        "                raise PagedLearnError(\n"
+        '                    f"double free: block {b} freed {times}x but has refcount '
+        '{self._refcounts[b]}"\n'
+        "                )\n"
+        "        for b in ids:\n            self._refcounts[b] -= 1\n",
+        "        for b in ids:\n            if self._refcounts[b] == 0:  # checked as it goes\n"
+        "                raise PagedLearnError(f'double free of block {b}')\n"
+        "            self._refcounts[b] -= 1\n",
+        "an error must leave everything as it was",
+        id="double_free_partly_applied",
+    ),
+    pytest.param(
+        POOL,
+        "            if times > self._refcounts[b]:",
+        "            if times > self._refcounts[b] + 1:",
+        "should raise PagedLearnError (double free",
+        id="double_free_undetected",
+    ),
+    pytest.param(
+        POOL,
+        "queue = self._free_cached if b in self._cached else self._free_empty",
+        "queue = self._free_empty",
+        "the free queue (next allocation first) should be",
+        id="cached_block_freed_into_empty_queue",
+    ),
+    pytest.param(
+        POOL,
+        "            if self._refcounts[b] == 0:\n                del self._free_cached[b]",
+        "            if False:\n                del self._free_cached[b]",
+        "refcount is 0",
+        id="incref_leaves_cached_block_in_free_queue",
+    ),
+    pytest.param(
+        POOL,
+        "            if self._refcounts[b] == 0 and b not in self._cached:",
+        "            if self._refcounts[b] < 0:",
+        "should raise PagedLearnError (incref of block",
+        id="incref_of_free_empty_block",
+    ),
+    pytest.param(
+        POOL,
+        "            self._num_shared += self._refcounts[b] == 2\n",
+        "",
+        "num_shared_blocks",
+        id="num_shared_not_maintained",
+    ),
+    pytest.param(
+        POOL,
+        "            self._refcounts[block_id] = 1\n",
+        "",
+        "refcounts of blocks",
+        id="allocate_leaves_refcount_0",
+    ),
+    pytest.param(
+        POOL,
+        "                self.num_evictions += 1\n",
+        "",
+        "num_evictions",
+        id="eviction_not_counted",
+    ),
+    pytest.param(
+        POOL,
+        "                self._cached.discard(block_id)\n",
+        "",
+        "cached blocks",
+        id="evicted_block_still_cached",
+    ),
+    pytest.param(
+        TABLE,
+        "return -(-num_tokens // self.block_size)",
+        "return num_tokens // self.block_size",
+        "part of one more",
+        id="blocks_needed_floor_division",
+    ),
+    pytest.param(
+        TABLE,
+        "* self.block_size + i % self.block_size",
+        "* self.block_size + i % self.block_size + 1",
+        "offset",
+        id="off_by_one_slot",
+    ),
+    pytest.param(
+        TABLE,
+        "self.block_ids[i // self.block_size] * self.block_size + i % self.block_size",
+        "self.block_ids[i % len(self.block_ids)] * self.block_size + i // self.block_size",
+        "logical block",
+        id="slot_mixes_block_and_offset",
+    ),
+    pytest.param(
+        TABLE,
+        "if not 0 <= i < self.num_tokens:",
+        "if i >= self.num_tokens:",
+        "should raise IndexError",
+        id="slot_accepts_negative_positions",
+    ),
+]
+
+
+@pytest.mark.parametrize(("file", "old", "new", "phrase"), MISTAKES)
+def test_mistake_loses_points(tmp_path, file, old, new, phrase):
+    files = lab_files(LAB, blank=False)
+    assert files[file].count(old) == 1, f"the patch no longer applies to {file}"
+    files[file] = files[file].replace(old, new)
+    outcomes = grade(load(LAB, write(tmp_path, files)))
+    lost = [o for o in outcomes if o.status != PASSED]
+    assert lost, "this mistake gets full marks"
+    assert any(phrase in o.message for o in lost), [o.message for o in lost]
+
+
+def test_failure_has_a_picture(tmp_path):
+    files = lab_files(LAB, blank=False)
+    files[POOL] = files[POOL].replace("popitem(last=False)", "popitem(last=True)")
+    sub = load(LAB, write(tmp_path, files))
+    check = next(c for c in LAB.checks if c.name.startswith("cached_blocks_are_evicted"))
+    outcome = run_check(check, sub)
+    assert outcome.status == FAILED and outcome.picture is not None
+    fig = outcome.picture()
+    assert len(fig.axes) == 2  # yours, the reference

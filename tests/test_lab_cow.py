@@ -1,0 +1,171 @@
+"""The ``cow`` lab's checks: the reference gets full marks, the untouched handout none, and each
+plausible mistake (a small patch to the reference) loses points with a message naming it."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedlearn.labs import get
+from pagedlearn.labs.handout import lab_files
+from pagedlearn.labs.runner import FAILED, NOT_DONE, PASSED, run_check
+from pagedlearn.labs.submission import load, reference
+
+LAB = get("cow")
+KV = "kv_cache_manager.py"
+ALLOCATE_DST = '            (dst,) = self._allocate(1, seq_id, f"copy-on-write for {seq_id!r}")'
+FREE_SRC = (
+    "            self.allocator.free([src])  # one sharer fewer; the others keep src untouched"
+)
+
+
+def grade(sub):
+    return [run_check(c, sub) for c in LAB.checks]
+
+
+def write(tmp_path, files: dict[str, str]) -> list:
+    paths = []
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+        paths.append(tmp_path / name)
+    return paths
+
+
+def test_lab_is_well_formed():
+    assert LAB.number == 2 and 8 <= len(LAB.checks) <= 15
+    assert all(1 <= c.points <= 3 for c in LAB.checks)
+    assert {c.exercise for c in LAB.checks} == {"fork", "cow", "plan"}
+
+
+def test_reference_gets_full_marks():
+    outcomes = grade(reference(LAB))
+    assert [o.message for o in outcomes if not o.passed] == []
+    assert sum(o.score for o in outcomes) == LAB.max_score
+
+
+def test_handout_gets_nothing(tmp_path):
+    outcomes = grade(load(LAB, write(tmp_path, lab_files(LAB, blank=True))))
+    assert sum(o.score for o in outcomes) == 0
+    assert {o.status for o in outcomes} <= {NOT_DONE, FAILED}
+    assert all("cow: " in o.message for o in outcomes if o.status == NOT_DONE)
+
+
+# (old text, new text, a phrase the failing message must contain), all in kv_cache_manager.py
+MISTAKES = [
+    pytest.param(
+        "        self.allocator.incref(parent.block_ids)\n"
+        "        self._seqs.add(child_id, parent.copy(), self._seqs.extra_keys[parent_id])\n",
+        "        table = parent.copy()\n"
+        "        table.block_ids = self._allocate(len(parent.block_ids), child_id)\n"
+        "        self._copies.extend(zip(parent.block_ids, table.block_ids))\n"
+        "        self._seqs.add(child_id, table, self._seqs.extra_keys[parent_id])\n",
+        "fork copies no KV",
+        id="copies_on_fork",
+    ),
+    pytest.param(  # checks sharing before the boundary: a shared full block is copied too
+        "        if pos % self.block_size == 0:  # the last block is full (or there is none): a "
+        "new one\n",
+        "        if table.block_ids and self.allocator.refcount(table.block_ids[-1]) > 1:\n"
+        "            src = table.block_ids[-1]\n"
+        "            (dst,) = self._allocate(1, seq_id)\n"
+        "            self.allocator.free([src])\n"
+        "            table.block_ids[-1] = dst\n"
+        "            self._copies.append((src, dst))\n"
+        "            self._counters['cow_copies'] += 1\n"
+        "            self._events.cow_copy(seq_id, src, dst)\n"
+        "        if pos % self.block_size == 0:\n",
+        "a full last block gets a new one",
+        id="copies_a_full_shared_block",
+    ),
+    pytest.param(
+        "            self.allocator.free([src])  # one sharer fewer",
+        "            pass  # one sharer fewer",
+        "refcounts of blocks",
+        id="keeps_the_reference_on_src",
+    ),
+    pytest.param(
+        "        elif self.allocator.refcount(src := table.block_ids[-1]) > 1:",
+        "        elif self.allocator.refcount(src := table.block_ids[-1]) > 0:",
+        "yours copied a block",
+        id="last_sharer_copies_anyway",
+    ),
+    pytest.param(
+        f"{ALLOCATE_DST}\n{FREE_SRC}\n",
+        f"{FREE_SRC}\n{ALLOCATE_DST}\n",
+        "an error must leave everything as it was",
+        id="frees_src_before_allocating",
+    ),
+    pytest.param(
+        "block_ids[::-1]",
+        "block_ids[:]",
+        "LAST block first",
+        id="frees_head_first",
+    ),
+    pytest.param(
+        "        return table.slot(pos)",
+        "        return table.slot(pos) + 1",
+        "should return",
+        id="off_by_one_slot",
+    ),
+    pytest.param(
+        "        return table.slot(pos)",
+        "        return pos",
+        "the slot is block * block_size + offset",
+        id="returns_the_position_not_the_slot",
+    ),
+    pytest.param(
+        "        self._seqs.check_new(child_id)\n",
+        "",
+        "should raise PagedLearnError (sequence id 'a' already exists)",
+        id="fork_does_not_check_the_child",
+    ),
+    pytest.param(
+        "        self._seqs.check_new(child_id)\n        self.allocator.incref(parent.block_ids)\n",
+        "        self.allocator.incref(parent.block_ids)\n        self._seqs.check_new(child_id)\n",
+        "an error must leave everything as it was",
+        id="fork_checks_the_child_too_late",
+    ),
+    pytest.param(
+        "            self._cache_full_block(seq_id, table)\n",
+        "            pass\n",
+        "must be registered",
+        id="forgets_to_cache_a_full_block",
+    ),
+    pytest.param(
+        "            self._events.cow_copy(seq_id, src, dst)\n",
+        "",
+        "trace events",
+        id="no_cow_copy_event",
+    ),
+    pytest.param(
+        "min(k, self.allocator.refcount(b) - 1)",
+        "k",
+        "blocks_to_append(['a', 'b', 'c']) should return 2",
+        id="plan_counts_k_copies",
+    ),
+    pytest.param(
+        "min(k, self.allocator.refcount(b) - 1)",
+        "min(k, self.allocator.refcount(b))",
+        "should return",
+        id="plan_ignores_the_last_sharer",
+    ),
+]
+
+
+@pytest.mark.parametrize(("old", "new", "phrase"), MISTAKES)
+def test_mistake_loses_points(tmp_path, old, new, phrase):
+    files = lab_files(LAB, blank=False)
+    assert files[KV].count(old) == 1, "the patch no longer applies"
+    files[KV] = files[KV].replace(old, new)
+    outcomes = grade(load(LAB, write(tmp_path, files)))
+    lost = [o for o in outcomes if o.status != PASSED]
+    assert lost, "this mistake gets full marks"
+    assert any(phrase in o.message for o in lost), [o.message for o in lost]
+
+
+def test_failure_has_a_picture_of_both_pools(tmp_path):
+    files = lab_files(LAB, blank=False)
+    files[KV] = files[KV].replace("block_ids[::-1]", "block_ids[:]")
+    check = next(c for c in LAB.checks if c.name == "free_sequence_frees_the_tail_first")
+    outcome = run_check(check, load(LAB, write(tmp_path, files)))
+    assert outcome.status == FAILED and outcome.picture is not None
+    assert len(outcome.picture().axes) == 2
