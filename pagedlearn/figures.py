@@ -11,6 +11,7 @@ seeded and offline, so that running the command twice gives the same pictures:
   view showed);
 - ``reservation_vs_paging.png``, ``fragmentation.png``: the same requests under max-length
   contiguous reservation and under paging, on the simulator with the real ``KVCacheManager``;
+- ``lab_feedback.png``: what a student sees when a lab check fails (:func:`lab_feedback`);
 - ``paper_*.png``, ``prefix_caching.png``: the paper's memory figures (``python -m pagedlearn
   paper``), unless ``--no-paper``.
 """
@@ -109,6 +110,62 @@ def headline_frame(frames):
     return max(frames, key=score)  # max keeps the first of equal scores: the earliest
 
 
+# A student's slip in the cow lab: the copy is made, but the writer keeps its reference on the
+# shared block it copied from, so that block never returns to the pool.
+COW_SLIP = ("self.allocator.free([src])  # one sharer fewer;", "pass  # forgot: one sharer fewer;")
+COW_CHECK = "first_write_into_a_shared_partial_block_copies"
+
+
+def lab_feedback():
+    """The ``cow`` lab's check of a first write into a shared block, failing on
+    :data:`COW_SLIP`: the lines ``check("cow")`` prints, above the picture it shows (the
+    student's pool beside the reference's). Graded exactly as a notebook would be."""
+    import io
+    import tempfile
+    import textwrap
+
+    import matplotlib.image
+    from matplotlib.figure import Figure
+
+    from pagedlearn.labs import get
+    from pagedlearn.labs.handout import reference_source
+    from pagedlearn.labs.runner import MARK, run_check
+    from pagedlearn.labs.submission import load
+
+    lab = get("cow")
+    source = reference_source(lab.files[0])
+    assert source.count(COW_SLIP[0]) == 1, "the slip no longer applies: update COW_SLIP"
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "kv_cache_manager.py"
+        path.write_text(source.replace(*COW_SLIP))
+        check = next(c for c in lab.checks if c.name == COW_CHECK)
+        outcome = run_check(check, load(lab, [path]))
+    png = io.BytesIO()
+    outcome.picture().savefig(png, format="png", dpi=100)
+    picture = matplotlib.image.imread(io.BytesIO(png.getvalue()), format="png")
+    head = f"[{MARK[outcome.status]}] {outcome.score}/{outcome.max_score}  {check.title}"
+    text = [
+        head,
+        *textwrap.wrap(outcome.message, 110, initial_indent="       ", subsequent_indent="       "),
+    ]
+    h_px, w_px = picture.shape[:2]
+    text_h = 0.2 * len(text) + 0.2
+    fig = Figure(figsize=(w_px / 100, h_px / 100 + text_h))
+    fig.text(
+        0.01,
+        1 - 0.1 / (h_px / 100 + text_h),
+        "\n".join(text),
+        ha="left",
+        va="top",
+        family="monospace",
+        fontsize=9,
+    )
+    ax = fig.add_axes((0, 0, 1, (h_px / 100) / (h_px / 100 + text_h)))
+    ax.imshow(picture)
+    ax.set_axis_off()
+    return fig
+
+
 def make_figures(directory="figures", paper: bool = True, quick: bool = False, out=print):
     """Write every figure into ``directory``; returns the paths written."""
     from pagedlearn.sim import plots
@@ -136,6 +193,7 @@ def make_figures(directory="figures", paper: bool = True, quick: bool = False, o
     out("simulating reservation vs paging on the same requests ...")
     few = paper_workload("sharegpt", 6, seed=1)
     figures["reservation_vs_paging"] = draw_reservation_vs_paging(few, pool_slots=4096)
+    figures["lab_feedback"] = lab_feedback()
     many = paper_workload("sharegpt", 120 if quick else 400, seed=0)
     figures["fragmentation"] = draw_fragmentation(fragmentation_breakdown(many, pool_slots=8192))
     paths = plots.save_all(figures, directory)

@@ -11,7 +11,14 @@ from pagedlearn.viz import replay_states
 from pagedlearn.viz.state import SHARED, build_state
 
 ROOT = Path(__file__).resolve().parents[1]
-OWN = ["block_pool", "block_tables", "memory_timeline", "reservation_vs_paging", "fragmentation"]
+OWN = [
+    "block_pool",
+    "block_tables",
+    "memory_timeline",
+    "reservation_vs_paging",
+    "lab_feedback",
+    "fragmentation",
+]
 
 
 def test_figures_command_writes_the_block_pictures_the_same_way_twice(tmp_path):
