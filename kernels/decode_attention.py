@@ -9,9 +9,13 @@ tests do). One program handles one (sequence, KV head, split):
    tile is read from memory once for the whole group);
 3. loop over the sequence's logical blocks a tile of tokens at a time (``backend.tile_tokens``):
    look up each token's physical block in the block table, load K, score, update the running
-   max / sum / accumulator, load V, accumulate;
+   max / sum / accumulator, load V, accumulate (one tile: :func:`_attend_tile`);
 4. divide once at the end (one split), or write the partial result and its log-sum-exp for
-   :func:`_merge_splits_kernel` to combine (flash-decoding, ``num_splits > 1``).
+   :func:`_merge_splits_kernel` to combine (flash-decoding, ``num_splits > 1``; both:
+   :func:`_split_result`).
+
+These two ``@triton.jit`` helpers are what the ``kernel`` lab has students write. Triton inlines
+a call to a jit function, so they cost nothing on a GPU.
 """
 
 import torch
@@ -29,6 +33,81 @@ from pagedlearn.attention import paged_attention_ref as reference  # what the te
 from pagedlearn.attention_inputs import CacheShape, check_decode
 
 MAX_SPLITS = 64
+
+
+@triton.jit
+def _attend_tile(
+    m_i,  # (GROUP_PAD,) float32: the largest score so far, per query head
+    l_i,  # (GROUP_PAD,) float32: the sum of exp(score - m_i) so far
+    acc,  # (GROUP_PAD, HEAD_DIM_PAD) float32: the sum of exp(score - m_i) * v so far
+    q,  # (GROUP_PAD, HEAD_DIM_PAD): the query heads that read this KV head; padding rows are 0
+    tile_start,  # the first token (logical position) of this tile
+    end,  # this split's tokens end here: positions >= end are masked off
+    table_row,  # pointer to this sequence's block-table row (physical block ids)
+    k_cache_ptr,  # (num_blocks, block_size, num_kv_heads, head_dim)
+    v_cache_ptr,  # same
+    head_off,  # where this KV head starts in a slot: kv_head * stride_head
+    offs_d,  # (HEAD_DIM_PAD,): 0, 1, 2, ...
+    d_mask,  # (HEAD_DIM_PAD,): offs_d < HEAD_DIM
+    scale,
+    stride_block,  # elements between two physical blocks of a cache
+    stride_slot,  # elements between two slots (tokens) of a block
+    BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Fold the tile of ``TILE_N`` tokens ``tile_start, tile_start + 1, ...`` into the running
+    state; returns the new ``(m_i, l_i, acc)``.
+
+    a. Token ``t`` is in logical block ``t // BLOCK_SIZE``, at offset ``t % BLOCK_SIZE``; the
+       block table maps the logical block to a physical one, and the token's K/V start at
+       ``physical * stride_block + offset * stride_slot + head_off`` (then ``offs_d``).
+       Tokens at or past ``end`` -- the empty slots of a last block, or the next split's
+       tokens -- are masked: their loads are skipped and their scores are -inf (weight 0).
+    b. Scores ``q kᵀ * scale``, ``(GROUP_PAD, TILE_N)`` (``tl.dot``, with ``DOT_PRECISION``;
+       load K and V in ``q``'s dtype).
+    c. The new max is the larger of the old max and the tile's; whatever was summed under the
+       old max (``l_i`` and ``acc``) is multiplied by ``alpha = exp(m_old - m_new)``, then this
+       tile's ``p = exp(score - m_new)`` is added in: to ``l_i`` its sum, to ``acc`` ``p @ v``.
+       Every tile has at least one unmasked token, so ``m_new`` is finite.
+    """
+    # a. Where each token of the tile lives.
+    pos = tile_start + tl.arange(0, TILE_N)  # (TILE_N,)
+    t_mask = pos < end
+    block_ids = tl.load(table_row + pos // BLOCK_SIZE, mask=t_mask, other=0).to(tl.int64)
+    slot_offs = block_ids * stride_block + (pos % BLOCK_SIZE) * stride_slot
+    kv_offs = slot_offs[:, None] + head_off + offs_d[None, :]  # (TILE_N, HEAD_DIM_PAD)
+    kv_mask = t_mask[:, None] & d_mask[None, :]
+
+    # b. Scores of this tile, (GROUP_PAD, TILE_N); masked tokens score -inf (weight 0). K and V
+    #    are loaded in q's dtype: float32 when the interpreter upcasts bfloat16 (see UPCAST).
+    k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0).to(q.dtype)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
+    s = tl.where(t_mask[None, :], s, float("-inf"))
+
+    # c. Raise the running max and rescale what was summed under the old one.
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp(m_i - m_new)  # 0 on the first tile, where m_i = -inf
+    p = tl.exp(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0).to(q.dtype)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _split_result(m_i, l_i, acc):
+    """The end of the loop: ``(out, lse)``, the softmax-weighted sum ``acc / l_i`` (divided
+    once, here) and the log-sum-exp of the scores ``m_i + log(l_i)``, per query head.
+
+    A split with no tokens (or a sequence with no keys) has ``l_i = 0`` and ``m_i = -inf``: its
+    ``out`` is zeros, never 0 / 0, and its ``lse`` is -inf, so that the merge of the splits
+    (:func:`_merge_splits_kernel`) gives it weight 0.
+    """
+    has_keys = l_i > 0  # never divide by zero, nor take log(0)
+    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    lse = tl.where(has_keys, m_i + tl.log(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+    return out, lse
 
 
 @triton.jit
@@ -87,45 +166,20 @@ def _paged_decode_kernel(
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)  # running sum of exp(score - m_i)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], dtype=tl.float32)  # running sum of exp(...) * v
 
-    offs_t = tl.arange(0, TILE_N)
+    # 3. Stream the split's tokens through the running state, a tile at a time.
     table_row = block_tables_ptr + seq64 * stride_table_seq
     head_off = kv_head.to(tl.int64) * stride_cache_head
     for tile_start in range(start, end, TILE_N):
-        # 3a. Token t is in logical block t // BLOCK_SIZE, at offset t % BLOCK_SIZE; the block
-        #     table turns the logical block into a physical one. Tokens past `end` (the empty
-        #     slots of the last block, or the next split's tokens) are masked off.
-        pos = tile_start + offs_t  # (TILE_N,)
-        t_mask = pos < end
-        block_ids = tl.load(table_row + pos // BLOCK_SIZE, mask=t_mask, other=0).to(tl.int64)
-        slot_offs = block_ids * stride_cache_block + (pos % BLOCK_SIZE) * stride_cache_slot
-        kv_offs = slot_offs[:, None] + head_off + offs_d[None, :]  # (TILE_N, HEAD_DIM_PAD)
-        kv_mask = t_mask[:, None] & d_mask[None, :]
+        # fmt: off
+        m_i, l_i, acc = _attend_tile(
+            m_i, l_i, acc, q, tile_start, end, table_row, k_cache_ptr, v_cache_ptr, head_off,
+            offs_d, d_mask, scale, stride_cache_block, stride_cache_slot,
+            BLOCK_SIZE, TILE_N, DOT_PRECISION,
+        )
+        # fmt: on
 
-        # 3b. Scores of this tile, (GROUP_PAD, TILE_N); masked tokens score -inf (weight 0).
-        k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
-        s = tl.where(t_mask[None, :], s, float("-inf"))
-
-        # 3c. Raise the running max and rescale what was summed under the old one. Every tile
-        #     has at least one unmasked token, so m_new is finite and no exp(-inf + inf) occurs.
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp(m_i - m_new)  # 0 on the first tile, where m_i = -inf
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-
-        # 3d. Accumulate the weighted values.
-        v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
-        if UPCAST:
-            v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
-
-    # 4. Divide once. An empty split (or a sequence with no keys) has l_i = 0: write zeros, and
-    #    a log-sum-exp of -inf so that the merge gives it weight 0. Never divide by zero.
-    has_keys = l_i > 0
-    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    # 4. Divide once; one split writes its result, several write theirs and their log-sum-exp.
+    out, lse = _split_result(m_i, l_i, acc)
     io_mask = g_mask[:, None] & d_mask[None, :]
     if NUM_SPLITS == 1:
         o_offs = seq64 * stride_o_seq + heads[:, None] * stride_o_head + offs_d[None, :]
@@ -133,7 +187,6 @@ def _paged_decode_kernel(
     else:
         row = (seq64 * (GROUP * tl.num_programs(1)) + heads) * NUM_SPLITS + split  # (GROUP_PAD,)
         tl.store(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], out, mask=io_mask)
-        lse = tl.where(has_keys, m_i + tl.log(tl.where(has_keys, l_i, 1.0)), float("-inf"))
         tl.store(part_lse_ptr + row, lse, mask=g_mask)
 
 
@@ -231,6 +284,15 @@ def paged_attention_decode(
     *values* of ``block_tables`` / ``context_lens`` are checked on the CPU only (see
     :mod:`pagedlearn.attention_inputs`).
     """
+    args = (q, key_cache, value_cache, block_tables, context_lens, scale, num_splits)
+    return launch_decode(_paged_decode_kernel, *args)
+
+
+def launch_decode(
+    kernel, q, key_cache, value_cache, block_tables, context_lens, scale=None, num_splits=1
+):
+    """:func:`paged_attention_decode`, launching ``kernel``: ``_paged_decode_kernel`` or a
+    kernel with its parameters (the kernel lab launches one whose loop is the student's)."""
     on_cpu = q.device.type == "cpu" if isinstance(q, torch.Tensor) else True
     shape = check_decode(q, key_cache, value_cache, block_tables, context_lens, scale, on_cpu)
     if not isinstance(num_splits, int) or isinstance(num_splits, bool):
@@ -239,7 +301,7 @@ def paged_attention_decode(
         raise ValueError(f"num_splits must be between 1 and {MAX_SPLITS}, got {num_splits}")
     caches = [("key_cache", key_cache), ("value_cache", value_cache)]
     interpreted = check_launchable(
-        _paged_decode_kernel, "paged_attention_decode", "paged_attention_ref", q, caches
+        kernel, "paged_attention_decode", "paged_attention_ref", q, caches
     )
     constants = launch_constants(shape, q.dtype, interpreted, num_splits)
 
@@ -256,7 +318,7 @@ def paged_attention_decode(
         part_lse = torch.empty(num_seqs, num_heads, num_splits, **f32)
     else:  # unused by the kernel; any tensor will do
         part_out = part_lse = out
-    _paged_decode_kernel[(num_seqs, shape.num_kv_heads, num_splits)](
+    kernel[(num_seqs, shape.num_kv_heads, num_splits)](
         out,
         part_out,
         part_lse,

@@ -306,17 +306,21 @@ for seq, n in zip(seqs, context_lens.tolist(), strict=True):
 # %% [markdown]
 # Now hold the kernel's inner loop next to step 4: it is the same update, on tiles of tokens
 # that may span several blocks, with masked loads so that nothing past a sequence's length is
-# read. This is the loop, as it is in the file:
+# read. The loop calls `_attend_tile` once per tile (a `@triton.jit` helper, inlined by
+# Triton; lab 5 has you write it). This is the loop, then the helper's body, as they are in the
+# file:
 
 # %%
 import inspect
 
 from kernels import decode_attention
 
-lines = inspect.getsource(decode_attention).splitlines()
-first = next(i for i, line in enumerate(lines) if "for tile_start in range(start" in line)
-last = next(i for i in range(first, len(lines)) if lines[i].strip() == "m_i = m_new")
-print("\n".join(lines[first : last + 1]))
+kernel = inspect.getsource(decode_attention._paged_decode_kernel.fn)
+tile = inspect.getsource(decode_attention._attend_tile.fn)
+loop = kernel[kernel.index("    for tile_start") : kernel.index("    # 4.")]
+print(loop.replace("        # fmt: off\n", "").replace("        # fmt: on\n", "").rstrip())
+print()
+print(tile[tile.index("    # a.") :].rstrip())
 
 # %% [markdown]
 # **This is not the paper's kernel.** PagedAttention is the *indexing*: K and V read through
