@@ -8,9 +8,10 @@ The handout is one folder per lab, made from the package's own source::
     DIR/01_allocator/block_table.py
     ...
 
-Students need pagedlearn installed (``pip install "pagedlearn[labs]"``): the checks, the pictures
-and the engine come from it. Every function a lab names is a stub in both the notebook and the
-``.py`` files; :func:`export` checks that by parsing what it wrote, so a solution cannot slip out.
+Students need pagedlearn installed with its ``labs`` extra (``pip install -e ".[labs]"`` in the
+repository): the checks, the pictures and the engine come from it. Every function a lab names
+is a stub in both the notebook and the ``.py`` files; :func:`export` checks that by parsing what
+it wrote, so a solution cannot slip out.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ precisely what is wrong, then your code serves a real model.
 
 ## How to work
 
-1. Install pagedlearn: `pip install "pagedlearn[labs]"` (or `make install` in its repository).
+1. Install pagedlearn with its labs extra: in its repository, `make install` (or
+   `pip install -e ".[labs]"`), or as your course says.
 2. Open a lab's notebook (`jupyter lab`), read it, and fill in the exercise cells. Each ends with
    `check("...")`: run the cell, and read what it prints. A failure shows the shortest sequence
    of operations that goes wrong, what was expected and what your code gave (for the memory

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import linecache
 import os
 import sys
 import types
@@ -92,6 +93,9 @@ def load(lab: Lab, paths: list[str | os.PathLike]) -> Submission:
 
 
 def _compile(source: str, filename: str):
+    # Known to linecache, code from a notebook cell has source lines too: tracebacks and
+    # student_line quote it, and Triton (which reads a @triton.jit function's source) accepts it.
+    linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
     try:
         return compile(source, filename, "exec", dont_inherit=True)
     except SyntaxError as e:
