@@ -155,6 +155,16 @@ def score_lab(lab_id: str, limit: int | None, seed: int, show: bool) -> tuple[in
     killed, survivors = 0, []
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
+        # The unmutated reference, written the way every mutant is (ast.unparse), must get full
+        # marks; otherwise every mutant would count as killed for nothing.
+        files = [Path(tmp) / "ref" / Path(p).name for p in lab.files]
+        files[0].parent.mkdir()
+        for p, f in zip(lab.files, files, strict=True):
+            f.write_text(ast.unparse(ast.parse(reference_source(p))))
+        sub = load(lab, files)
+        bad = [c.name for c in lab.checks if run_check(c, sub).status != PASSED]
+        if bad:
+            raise SystemExit(f"{lab_id}: the unparsed reference fails {bad}: fix that first")
         for k, (path, tree, qualname, desc, where) in enumerate(mutants):
             files = []
             for p in lab.files:
