@@ -19,6 +19,7 @@ does not parse, or raises while it is loaded.
 from __future__ import annotations
 
 import importlib
+import itertools
 import json
 import linecache
 import os
@@ -31,6 +32,7 @@ from pagedlearn.labs.lab import STUDENT_FILES, CheckFailed, Lab, student_line
 
 GRADING_ENV = "PAGEDLEARN_GRADING"  # set while a notebook is loaded for grading: check() is off
 DEMO_TAG = "demo"  # notebook cells that are not part of the submission
+_LOADED = itertools.count()  # a fresh module name per load: two loads never share one
 
 
 class SubmissionError(Exception):
@@ -126,7 +128,7 @@ def _load_py(path: Path) -> dict:
         raise SubmissionError(f"{path}: cannot be read: {e}") from None
     filename = str(path)
     code = _compile(source, filename)
-    name = f"submission_{abs(hash(filename))}"
+    name = f"submission_{next(_LOADED)}"
     module = types.ModuleType(name)
     module.__file__ = filename
     sys.modules[name] = module  # dataclasses and pickling look classes up by module name
@@ -154,7 +156,7 @@ def notebook_cells(path: Path) -> list[tuple[str, str, bool]]:
 
 
 def _load_notebook(path: Path) -> dict:
-    name = f"submission_{abs(hash(str(path)))}"
+    name = f"submission_{next(_LOADED)}"
     module = types.ModuleType(name)
     module.__file__ = str(path)
     sys.modules[name] = module
