@@ -28,10 +28,28 @@ allocator hands it out for new data.)
 from __future__ import annotations
 
 from pagedlearn import prefix_cache as ref
-from pagedlearn.kv_cache_manager import KVCacheManager
-from pagedlearn.labs.lab import CheckFailed, Exercise, Lab, crashed, explore
-from pagedlearn.labs.plug import your_kv_cache_manager
-from pagedlearn.labs.twins import Twins
+from pagedlearn.labs.lab import CheckFailed, Exercise, Lab, explore
+from pagedlearn.labs.prefix_managers import (  # the planted chain, names in messages, the manager
+    E0,
+    H1,
+    H2,
+    KEYS,
+    LORA,
+    ROOT,
+    SALT1,
+    SALT2,
+    _held,
+    _Managers,
+    _match,
+    attempt,
+    call,
+    chain,
+    contents,
+    name,
+    plant,
+    theirs,
+)
+from pagedlearn.labs.prefix_managers import your_manager as your_manager  # re-exported (tests)
 
 LAB = Lab(
     id="prefix",
@@ -79,62 +97,8 @@ LAB = Lab(
     ),
 )
 
-ROOT, E0 = ref.ROOT_HASH, ref.make_extra_keys()
-SALT1, SALT2 = ref.make_extra_keys(cache_salt="t1"), ref.make_extra_keys(cache_salt="t2")
-LORA = ref.make_extra_keys(adapter_id="lora")
-KEYS = {E0: "()", SALT1: "salt 't1'", SALT2: "salt 't2'", LORA: "adapter 'lora'"}
-H1 = ref.hash_block(ROOT, [1, 2], E0)  # a two-block chain the checks plant: [1, 2] then [3, 4]
-H2 = ref.hash_block(H1, [3, 4], E0)
+# The message prefix of checks that plant the chain H1, H2 (as blocks 3 and 5).
 PLANTED = "with H1 -> block 3 ([1, 2]) and H2 -> block 5 ([3, 4]) cached, "
-
-
-def attempt(what: str, fn, *args):
-    """Call the student's ``fn``; a crash becomes a verdict naming ``what`` and their line."""
-    try:
-        return fn(*args)
-    except (NotImplementedError, CheckFailed):
-        raise
-    except Exception as e:
-        raise crashed([what], e) from e
-
-
-def name(h) -> str:
-    """A hash in a message: the names the checks use, else its first hex digits."""
-    if isinstance(h, bytes):
-        return {ROOT: "ROOT_HASH", H1: "H1", H2: "H2"}.get(h, f"{h.hex()[:8]}..")
-    return repr(h)[:60]
-
-
-def call(fn: str, parent, tokens, extra) -> str:
-    return f"{fn}({name(parent)}, {list(tokens)}, {KEYS.get(extra, extra)})"
-
-
-def theirs(sub):
-    """The student's ``hash_block``, with a crash reported as a verdict."""
-    return lambda *args: attempt(call("hash_block", *args), sub.hash_block, *args)
-
-
-def chain(hash_block, tokens, bs: int, extra) -> list[bytes]:
-    """What ``hash_blocks`` must return, built with ``hash_block`` (theirs or the reference's)."""
-    out: list[bytes] = []
-    for j in range(len(tokens) // bs):
-        out.append(hash_block(ROOT if j == 0 else out[-1], tokens[j * bs : (j + 1) * bs], extra))
-    return out
-
-
-def plant(cache, tokens, bs: int, blocks, extra=E0, skip=(), hash_block=ref.hash_block) -> None:
-    """Index ``tokens``' full blocks in ``cache`` as ``blocks`` (but the logical indices in
-    ``skip``) with the reference's ``insert``: the student's insert is not needed."""
-    hashes = chain(hash_block, tokens, bs, extra)
-    for j, h in enumerate(hashes):
-        if j not in skip:
-            chunk = tokens[j * bs : (j + 1) * bs]
-            ref.PrefixCache.insert(cache, h, blocks[j], ref.parent_hash(hashes, j), chunk, extra)
-
-
-def contents(cache) -> dict:
-    """``{block: (parent, tokens, extra keys, hash)}``: everything a cache indexes."""
-    return {e.block_id: (e.parent_hash, e.token_ids, e.extra_keys, h) for h, e in cache.items()}
 
 
 # --- exercise "hash" ------------------------------------------------------------------------------
@@ -246,30 +210,6 @@ def lookup_hits_only_on_identical_content(sub):
         raise CheckFailed(f"{PLANTED}your lookups changed the cache: a lookup changes nothing")
 
 
-def _match(sub, tokens, bs, plants, extra=E0, setup=""):
-    """The student's ``match`` on a cache holding ``plants`` (``(tokens, blocks, extra, skip)``,
-    hashed with their ``hash_block``), run with the reference's ``lookup``: match alone."""
-    want, seen = chain(theirs(sub), tokens, bs, extra), {}
-    if attempt(f"hash_blocks({tokens}, {bs}, ...)", sub.hash_blocks, tokens, bs, extra) != want:
-        raise CheckFailed("match uses your hash_blocks: pass exercise 'hash' first")
-    for p, e in [(tokens, extra)] + [(p[0], p[2] if len(p) > 2 else E0) for p in plants]:
-        for j, h in enumerate(chain(theirs(sub), p, bs, e)):  # one hash, one content
-            if seen.setdefault(h, (tuple(p[: (j + 1) * bs]), e)) != (tuple(p[: (j + 1) * bs]), e):
-                raise CheckFailed("your hash_block gives two prefixes one hash: do 'hash' first")
-    cache = type("PrefixCache", (sub.PrefixCache,), {"lookup": ref.PrefixCache.lookup})()
-    for p in plants:
-        plant(cache, p[0], bs, *p[1:], hash_block=sub.hash_block)
-    before, what = contents(cache), f"match({tokens}, block_size={bs}, ...)"
-    out = attempt(what, cache.match, tokens, bs, extra)
-    if not isinstance(out, tuple) or len(out) != 2 or list(out[0]) != want:
-        raise CheckFailed(
-            f"{setup}{what} should return (hash_blocks(...), hits); yours: {out!r:.80}"
-        )
-    if contents(cache) != before:
-        raise CheckFailed(f"{setup}{what} changed the cache: match must change nothing")
-    return list(out[1])
-
-
 @LAB.check("lookup", points=2, timeout_s=5)
 def match_stops_at_the_first_miss(sub):
     tokens = [1, 2, 3, 4, 5, 6, 7]  # blocks [1, 2] [3, 4] [5, 6], tail [7]
@@ -325,14 +265,6 @@ def match_agrees_with_the_reference_on_random_caches(sub):
 
 
 # --- exercise "evict" -----------------------------------------------------------------------------
-def _held(cache, blocks) -> str:
-    have = ", ".join(
-        f"{name(h)}: CachedBlock({b}, {name(p)}, {t!r:.30})"
-        for b, (p, t, _, h) in contents(cache).items()
-    )
-    return "{" + have + "}" + "".join(f", hash_of({b}) = {name(cache.hash_of(b))}" for b in blocks)
-
-
 @LAB.check("evict", points=2, timeout_s=5)
 def insert_keeps_the_first_block_under_a_hash(sub):
     cache, ops, want = sub.PrefixCache(), [], {}
@@ -381,88 +313,6 @@ def evict_forgets_the_block_both_ways(sub):
                 f"{PLANTED}after {done} the cache should index blocks {left}; yours holds "
                 f"{_held(cache, [b])}"
             )
-
-
-# --- the whole manager on the student's prefix cache ----------------------------------------------
-def your_manager(sub) -> type:
-    """A ``KVCacheManager`` on the student's prefix cache, built as the notebook's last cell
-    builds it (plug.py): filled blocks are hashed with *their* ``hash_block`` too."""
-    sub.PrefixCache, sub.hash_block  # noqa: B018 -- a missing name is a verdict, not a KeyError
-    return your_kv_cache_manager(prefix=sub, verbose=False)
-
-
-def _cache_view(kv) -> dict:
-    """``{block: tokens}`` of what a manager's cache indexes (with the salt, if any)."""
-    out = {}
-    for b, (_, tokens, extra, _) in sorted(contents(kv.prefix_cache).items()):
-        salt = dict(extra).get("salt")
-        out[b] = tokens + ((f"salt {salt!r}",) if salt is not None else ())
-    return out
-
-
-class _Managers(Twins):
-    """The reference KVCacheManager and one on the student's prefix cache, driven alike."""
-
-    def __init__(self, sub, num_blocks: int, block_size: int = 2) -> None:
-        kw = {"num_blocks": num_blocks, "block_size": block_size, "enable_prefix_caching": True}
-        setup = f"with KVCacheManager({', '.join(f'{k}={v}' for k, v in kw.items())})"
-        super().__init__(setup, KVCacheManager(**kw), your_manager(sub)(**kw))
-        self.reuse = 0
-
-    def call(self, name: str, *args):
-        if name == "add_sequence":  # what the reference will reuse, asked before it acts
-            self.reuse = self.ref.cached_prefix_tokens(*args[1:])
-        return super().call(name, *args)
-
-    def method(self, name: str):
-        add = getattr(self.yours, name)
-        if name != "add_sequence":
-            return add
-
-        def checked_add(seq_id, tokens, *salt):  # say a wrong hit before the manager acts on it
-            got, want = self.yours.cached_prefix_tokens(tokens, *salt), self.reuse
-            if got != want:
-                why = (
-                    "finds more: a stale entry of an evicted block, a hit past a miss or on the "
-                    "last token, another tenant's block?"
-                    if got > want
-                    else "misses cached blocks: are full blocks inserted and hashed alike?"
-                )
-                at = f"{self.where(self.ops[:-1])}: {self.ops[-1]}"
-                raise self.fail(f"{at} should reuse {want} cached tokens; yours {got} ({why})")
-            return add(seq_id, tokens, *salt)
-
-        return checked_add
-
-    def snapshot(self, side: str) -> dict:
-        kv = getattr(self, side)
-        return {
-            "block tables": {s: kv.block_table(s) for s in kv.sequences()},
-            "blocks in the prefix cache (block: tokens)": _cache_view(kv),
-            "free queue (LRU order, next allocation first)": kv.allocator.free_queue(),
-            "num_evictions": kv.allocator.num_evictions,
-        }
-
-    def state(self, obj):
-        from pagedlearn.viz.state import pool_state
-
-        return pool_state(obj)
-
-    def hint(self, field: str, want, got, name: str) -> str:
-        if field.startswith(("free queue", "num_evictions")):
-            return (
-                " (the manager marks a block cached, to be evicted last, when your insert "
-                "returns True: return it only when the block was registered)"
-            )
-        if not field.startswith("blocks in"):
-            return ""
-        if extra := [b for b in got if got[b] != want.get(b)]:
-            return (
-                f" (block {extra[0]} is indexed in yours only: was its slot reused for new data "
-                "(evicted) without forgetting its hash, or inserted under a hash another block "
-                "holds?)"
-            )
-        return f" (block {next(b for b in want if b not in got)} is missing from yours)"
 
 
 @LAB.check("evict", points=2, timeout_s=5)

@@ -54,9 +54,11 @@ class CheckTimeout(Exception):
 
 @contextlib.contextmanager
 def time_limit(seconds: float):
-    """Raise :class:`CheckTimeout` in this thread after ``seconds`` (main thread only; elsewhere
-    it does nothing, and the grader's process-level limit still applies)."""
-    if threading.current_thread() is not threading.main_thread() or seconds <= 0:
+    """Raise :class:`CheckTimeout` in this thread after ``seconds`` (in the main thread of a
+    Unix process; elsewhere it does nothing, and the grader's process-level limit still
+    applies)."""
+    main = threading.current_thread() is threading.main_thread()
+    if not main or seconds <= 0 or not hasattr(signal, "setitimer"):  # setitimer: not on Windows
         yield
         return
 
