@@ -1,45 +1,18 @@
-"""The ``attention`` lab's checks: the reference gets full marks, the untouched handout none, and
-each plausible mistake (a small patch to the reference) loses points with a message naming it."""
+"""The ``attention`` lab's checks: each plausible mistake (a small patch to the reference) loses
+points with a message naming it. (The reference's full marks and the untouched handout's 0 are
+tested for every lab in ``test_labs.py``.)"""
 
 from __future__ import annotations
 
 import pytest
+from helpers import grade_lab, lost_points, patched, submit
 
 from pagedlearn.labs import get
-from pagedlearn.labs.handout import exercise_code, lab_files
-from pagedlearn.labs.runner import FAILED, NOT_DONE, PASSED, run_check
-from pagedlearn.labs.submission import load, reference
+from pagedlearn.labs.handout import exercise_code
+from pagedlearn.labs.runner import FAILED, run_check
 
 LAB = get("attention")
 FILE = "attention.py"
-
-
-def grade(sub, exercise=None):
-    return [run_check(c, sub) for c in LAB.checks_of(exercise)]
-
-
-def submit(tmp_path, text: str):
-    (tmp_path / FILE).write_text(text)
-    return load(LAB, [tmp_path / FILE])
-
-
-def test_lab_is_well_formed():
-    assert LAB.number == 4 and 8 <= len(LAB.checks) <= 15
-    assert all(1 <= c.points <= 3 for c in LAB.checks)
-    assert {c.exercise for c in LAB.checks} == {"gather", "write", "online"}
-
-
-def test_reference_gets_full_marks():
-    outcomes = grade(reference(LAB))
-    assert [o.message for o in outcomes if not o.passed] == []
-    assert sum(o.score for o in outcomes) == LAB.max_score
-
-
-def test_handout_gets_nothing(tmp_path):
-    outcomes = grade(submit(tmp_path, lab_files(LAB, blank=True)[FILE]))
-    assert sum(o.score for o in outcomes) == 0
-    assert {o.status for o in outcomes} <= {NOT_DONE, FAILED}
-    assert all("attention: " in o.message for o in outcomes if o.status == NOT_DONE)
 
 
 def test_exercise_cells_alone_get_full_marks():
@@ -50,7 +23,7 @@ def test_exercise_cells_alone_get_full_marks():
     ns = {**given("attention"), "check": lambda exercise: None}
     for ex in LAB.exercises:
         exec(compile(exercise_code(LAB, ex, blank=False), f"cell {ex.id}", "exec"), ns)
-    outcomes = grade(Submission(ns, "cells"))
+    outcomes = grade_lab(LAB, Submission(ns, "cells"))
     assert [o.message for o in outcomes if not o.passed] == []
 
 
@@ -168,18 +141,14 @@ MISTAKES = [
 
 @pytest.mark.parametrize(("exercise", "old", "new", "phrase"), MISTAKES)
 def test_mistake_loses_points(tmp_path, exercise, old, new, phrase):
-    text = lab_files(LAB, blank=False)[FILE]
-    assert text.count(old) == 1, "the patch no longer applies"
-    outcomes = grade(submit(tmp_path, text.replace(old, new)), exercise)
-    lost = [o for o in outcomes if o.status != PASSED]
-    assert lost, "this mistake gets full marks"
-    assert any(phrase in o.message for o in lost), [o.message for o in lost]
+    sub = submit(LAB, tmp_path, patched(LAB, FILE, old, new))
+    lost_points(grade_lab(LAB, sub, exercise), phrase)
 
 
 def test_failure_names_the_sequence_and_its_blocks(tmp_path):
-    text = lab_files(LAB, blank=False)[FILE].replace("valid = min(bs, n - j * bs)", "valid = bs")
+    files = patched(LAB, FILE, "valid = min(bs, n - j * bs)", "valid = bs")
     check = next(c for c in LAB.checks if c.name == "online_partial_last_block")
-    outcome = run_check(check, submit(tmp_path, text))
+    outcome = run_check(check, submit(LAB, tmp_path, files))
     assert outcome.status == FAILED
     assert "sequence 0 (context 5, block_size 4, blocks [" in outcome.message
     assert "seems to be read in full" in outcome.message

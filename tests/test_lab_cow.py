@@ -1,14 +1,14 @@
-"""The ``cow`` lab's checks: the reference gets full marks, the untouched handout none, and each
-plausible mistake (a small patch to the reference) loses points with a message naming it."""
+"""The ``cow`` lab's checks: each plausible mistake (a small patch to the reference) loses
+points with a message naming it. (The reference's full marks and the untouched handout's 0 are
+tested for every lab in ``test_labs.py``.)"""
 
 from __future__ import annotations
 
 import pytest
+from helpers import grade_lab, lost_points, patched, submit
 
 from pagedlearn.labs import get
-from pagedlearn.labs.handout import lab_files
-from pagedlearn.labs.runner import FAILED, NOT_DONE, PASSED, run_check
-from pagedlearn.labs.submission import load, reference
+from pagedlearn.labs.runner import FAILED, run_check
 
 LAB = get("cow")
 KV = "kv_cache_manager.py"
@@ -16,37 +16,6 @@ ALLOCATE_DST = '            (dst,) = self._allocate(1, seq_id, f"copy-on-write f
 FREE_SRC = (
     "            self.allocator.free([src])  # one sharer fewer; the others keep src untouched"
 )
-
-
-def grade(sub):
-    return [run_check(c, sub) for c in LAB.checks]
-
-
-def write(tmp_path, files: dict[str, str]) -> list:
-    paths = []
-    for name, text in files.items():
-        (tmp_path / name).write_text(text)
-        paths.append(tmp_path / name)
-    return paths
-
-
-def test_lab_is_well_formed():
-    assert LAB.number == 2 and 8 <= len(LAB.checks) <= 15
-    assert all(1 <= c.points <= 3 for c in LAB.checks)
-    assert {c.exercise for c in LAB.checks} == {"fork", "cow", "plan"}
-
-
-def test_reference_gets_full_marks():
-    outcomes = grade(reference(LAB))
-    assert [o.message for o in outcomes if not o.passed] == []
-    assert sum(o.score for o in outcomes) == LAB.max_score
-
-
-def test_handout_gets_nothing(tmp_path):
-    outcomes = grade(load(LAB, write(tmp_path, lab_files(LAB, blank=True))))
-    assert sum(o.score for o in outcomes) == 0
-    assert {o.status for o in outcomes} <= {NOT_DONE, FAILED}
-    assert all("cow: " in o.message for o in outcomes if o.status == NOT_DONE)
 
 
 # (old text, new text, a phrase the failing message must contain), all in kv_cache_manager.py
@@ -153,19 +122,13 @@ MISTAKES = [
 
 @pytest.mark.parametrize(("old", "new", "phrase"), MISTAKES)
 def test_mistake_loses_points(tmp_path, old, new, phrase):
-    files = lab_files(LAB, blank=False)
-    assert files[KV].count(old) == 1, "the patch no longer applies"
-    files[KV] = files[KV].replace(old, new)
-    outcomes = grade(load(LAB, write(tmp_path, files)))
-    lost = [o for o in outcomes if o.status != PASSED]
-    assert lost, "this mistake gets full marks"
-    assert any(phrase in o.message for o in lost), [o.message for o in lost]
+    sub = submit(LAB, tmp_path, patched(LAB, KV, old, new))
+    lost_points(grade_lab(LAB, sub), phrase)
 
 
 def test_failure_has_a_picture_of_both_pools(tmp_path):
-    files = lab_files(LAB, blank=False)
-    files[KV] = files[KV].replace("block_ids[::-1]", "block_ids[:]")
+    files = patched(LAB, KV, "block_ids[::-1]", "block_ids[:]")
     check = next(c for c in LAB.checks if c.name == "free_sequence_frees_the_tail_first")
-    outcome = run_check(check, load(LAB, write(tmp_path, files)))
+    outcome = run_check(check, submit(LAB, tmp_path, files))
     assert outcome.status == FAILED and outcome.picture is not None
     assert len(outcome.picture().axes) == 2

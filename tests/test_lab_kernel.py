@@ -1,5 +1,6 @@
-"""The ``kernel`` lab's checks: the reference gets full marks, the untouched handout none, and
-each plausible mistake (a small patch to the reference) loses points with a message naming it.
+"""The ``kernel`` lab's checks: each plausible mistake (a small patch to the reference) loses
+points with a message naming it. (The reference's full marks and the untouched handout's 0 are
+tested for every lab in ``test_labs.py``.)
 
 The kernel runs in Triton's interpreter here (``conftest.py`` sets ``TRITON_INTERPRET=1``
 without a GPU), with the student's helper swapped in.
@@ -14,10 +15,12 @@ import pytest
 
 pytest.importorskip("triton")
 
+from helpers import grade_lab, lost_points, patched, submit
+
 from pagedlearn.labs import get
 from pagedlearn.labs.handout import exercise_code, lab_files
-from pagedlearn.labs.runner import FAILED, NOT_DONE, PASSED, run_check
-from pagedlearn.labs.submission import load, reference
+from pagedlearn.labs.runner import FAILED, NOT_DONE
+from pagedlearn.labs.submission import load
 
 LAB = get("kernel")
 FILE = "decode_attention.py"
@@ -26,33 +29,6 @@ FILE = "decode_attention.py"
 interpreter_only = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1", reason="needs Triton's CPU interpreter"
 )
-
-
-def grade(sub, exercise=None):
-    return [run_check(c, sub) for c in LAB.checks_of(exercise)]
-
-
-def submit(tmp_path, text: str):
-    (tmp_path / FILE).write_text(text)
-    return load(LAB, [tmp_path / FILE])
-
-
-def test_lab_is_well_formed():
-    assert LAB.number == 5 and 8 <= len(LAB.checks) <= 15
-    assert all(1 <= c.points <= 3 for c in LAB.checks)
-    assert {c.exercise for c in LAB.checks} == {"tile", "finish"}
-
-
-def test_reference_gets_full_marks():
-    outcomes = grade(reference(LAB))
-    assert [o.message for o in outcomes if not o.passed] == []
-    assert sum(o.score for o in outcomes) == LAB.max_score
-
-
-def test_handout_gets_nothing(tmp_path):
-    outcomes = grade(submit(tmp_path, lab_files(LAB, blank=True)[FILE]))
-    assert {o.status for o in outcomes} == {NOT_DONE}
-    assert all(o.message.startswith("not implemented yet -- kernel: ") for o in outcomes)
 
 
 @interpreter_only  # on a GPU, @triton.jit needs the cells' source (linecache): see submission.py
@@ -69,7 +45,7 @@ def test_a_notebook_of_exercise_cells_gets_full_marks(tmp_path):
     }
     path = tmp_path / "05_kernel.ipynb"
     path.write_text(json.dumps(nb))
-    outcomes = grade(load(LAB, [path]))
+    outcomes = grade_lab(LAB, load(LAB, [path]))
     assert [o.message for o in outcomes if not o.passed] == []
 
 
@@ -77,9 +53,9 @@ def test_a_stub_in_one_helper_leaves_the_other_exercise_gradable(tmp_path):
     text = lab_files(LAB, blank=True)[FILE]  # both stubs; put the reference's finish back
     ref_finish = lab_files(LAB, blank=False)[FILE].split("def _split_result")[1].split("\n\n\n")[0]
     stub_finish = text.split("def _split_result")[1].split("\n\n\n")[0]
-    sub = submit(tmp_path, text.replace(stub_finish, ref_finish))
-    assert all(o.passed for o in grade(sub, "finish"))
-    assert all(o.status == NOT_DONE for o in grade(sub, "tile"))
+    sub = submit(LAB, tmp_path, {FILE: text.replace(stub_finish, ref_finish)})
+    assert all(o.passed for o in grade_lab(LAB, sub, "finish"))
+    assert all(o.status == NOT_DONE for o in grade_lab(LAB, sub, "tile"))
 
 
 # (exercise, old text, new text, a phrase some failing message of that exercise must contain)
@@ -173,20 +149,15 @@ MISTAKES = [
 
 @pytest.mark.parametrize(("exercise", "old", "new", "phrase"), MISTAKES)
 def test_mistake_loses_points(tmp_path, exercise, old, new, phrase):
-    text = lab_files(LAB, blank=False)[FILE]
-    assert text.count(old) == 1, "the patch no longer applies"
-    outcomes = grade(submit(tmp_path, text.replace(old, new)), exercise)
-    lost = [o for o in outcomes if o.status != PASSED]
-    assert lost, "this mistake gets full marks"
+    sub = submit(LAB, tmp_path, patched(LAB, FILE, old, new))
+    lost = lost_points(grade_lab(LAB, sub, exercise), phrase)
     assert all(o.status == FAILED for o in lost), [o.message for o in lost]
-    assert any(phrase in o.message for o in lost), [o.message for o in lost]
 
 
 @interpreter_only
 def test_a_crash_in_the_helper_names_the_students_line(tmp_path):
-    text = lab_files(LAB, blank=False)[FILE]
-    text = text.replace("    t_mask = pos < end\n", "    t_mask = pos < undefined_name\n")
-    outcome = grade(submit(tmp_path, text), "tile")[0]
+    files = patched(LAB, FILE, "    t_mask = pos < end\n", "    t_mask = pos < undefined_name\n")
+    outcome = grade_lab(LAB, submit(LAB, tmp_path, files), "tile")[0]
     assert outcome.status == FAILED
     assert "NameError" in outcome.message and f"{FILE}, line" in outcome.message
 
@@ -195,10 +166,9 @@ def test_a_crash_in_the_helper_names_the_students_line(tmp_path):
 def test_a_wild_pointer_fails_the_check_instead_of_crashing(tmp_path):
     """In the interpreter a load outside the tensors would read wild memory, or end the
     process: the check stops it first and names the line."""
-    text = lab_files(LAB, blank=False)[FILE].replace(
-        "pos = tile_start + tl.arange(0, TILE_N)", "pos = tile_start - tl.arange(0, TILE_N)"
-    )
-    outcome = grade(submit(tmp_path, text), "tile")[0]
+    old, new = "pos = tile_start + tl.arange(0, TILE_N)", "pos = tile_start - tl.arange(0, TILE_N)"
+    files = patched(LAB, FILE, old, new)
+    outcome = grade_lab(LAB, submit(LAB, tmp_path, files), "tile")[0]
     assert outcome.status == FAILED
     assert "would load memory outside every tensor it was given" in outcome.message
     assert f"{FILE}, line" in outcome.message

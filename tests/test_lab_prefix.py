@@ -1,53 +1,20 @@
-"""The ``prefix`` lab's checks: the reference gets full marks, the untouched handout none, and
-each plausible mistake (a small patch to the reference) loses points with a message naming it."""
+"""The ``prefix`` lab's checks: each plausible mistake (a small patch to the reference) loses
+points with a message naming it. (The reference's full marks and the untouched handout's 0 are
+tested for every lab in ``test_labs.py``.)"""
 
 from __future__ import annotations
 
 import pytest
+from helpers import grade_lab, lost_points, patched, submit
 
 from pagedlearn.labs import get
-from pagedlearn.labs.handout import lab_files
 from pagedlearn.labs.prefix import your_manager
-from pagedlearn.labs.runner import FAILED, NOT_DONE, PASSED, run_check
-from pagedlearn.labs.submission import load, reference
+from pagedlearn.labs.runner import FAILED, run_check
+from pagedlearn.labs.submission import load
 from pagedlearn.prefix_cache import ROOT_HASH, hash_block, make_extra_keys
 
 LAB = get("prefix")
 FILE = "prefix_cache.py"
-
-
-def grade(sub):
-    return [run_check(c, sub) for c in LAB.checks]
-
-
-def write(tmp_path, text: str) -> list:
-    (tmp_path / FILE).write_text(text)
-    return [tmp_path / FILE]
-
-
-def patched(old: str, new: str) -> str:
-    text = lab_files(LAB, blank=False)[FILE]
-    assert text.count(old) == 1, f"the patch no longer applies to {FILE}"
-    return text.replace(old, new)
-
-
-def test_lab_is_well_formed():
-    assert LAB.number == 3 and 8 <= len(LAB.checks) <= 15
-    assert all(1 <= c.points <= 3 for c in LAB.checks)
-    assert {c.exercise for c in LAB.checks} == {"hash", "lookup", "evict"}
-
-
-def test_reference_gets_full_marks():
-    outcomes = grade(reference(LAB))
-    assert [o.message for o in outcomes if not o.passed] == []
-    assert sum(o.score for o in outcomes) == LAB.max_score
-
-
-def test_handout_gets_nothing(tmp_path):
-    outcomes = grade(load(LAB, write(tmp_path, lab_files(LAB, blank=True)[FILE])))
-    assert sum(o.score for o in outcomes) == 0
-    assert {o.status for o in outcomes} <= {NOT_DONE, FAILED}
-    assert all("prefix: " in o.message for o in outcomes if o.status == NOT_DONE)
 
 
 # (old text, new text, a phrase the failing message must contain)
@@ -137,15 +104,13 @@ MISTAKES = [
 
 @pytest.mark.parametrize(("old", "new", "phrase"), MISTAKES)
 def test_mistake_loses_points(tmp_path, old, new, phrase):
-    outcomes = grade(load(LAB, write(tmp_path, patched(old, new))))
-    lost = [o for o in outcomes if o.status != PASSED]
-    assert lost, "this mistake gets full marks"
-    assert any(phrase in o.message for o in lost), [o.message for o in lost]
+    sub = submit(LAB, tmp_path, patched(LAB, FILE, old, new))
+    lost_points(grade_lab(LAB, sub), phrase)
 
 
 def test_manager_failure_has_a_picture(tmp_path):
-    text = patched("            del self._by_hash[block_hash]\n", "            pass\n")
-    sub = load(LAB, write(tmp_path, text))
+    files = patched(LAB, FILE, "            del self._by_hash[block_hash]\n", "            pass\n")
+    sub = submit(LAB, tmp_path, files)
     check = next(c for c in LAB.checks if c.name == "evicted_blocks_give_no_stale_hits")
     outcome = run_check(check, sub)
     assert outcome.status == FAILED and "block 0 is indexed in yours only" in outcome.message
@@ -169,5 +134,5 @@ def test_a_notebook_submission_hashes_filled_blocks_with_its_own_hash_block(tmp_
     salted = make_extra_keys(cache_salt="t1")
     theirs = kv.prefix_cache.hash_block(ROOT_HASH, [1, 2], salted)
     assert theirs == sub.hash_block(ROOT_HASH, [1, 2]) != hash_block(ROOT_HASH, [1, 2], salted)
-    outcomes = grade(sub)
+    outcomes = grade_lab(LAB, sub)
     assert any("salt 't2'" in o.message for o in outcomes if o.status == FAILED)

@@ -1,48 +1,17 @@
-"""The ``scheduler`` lab's checks: the reference gets full marks, the untouched handout none, and
-each plausible mistake (a small patch to the reference) loses points with a message naming it."""
+"""The ``scheduler`` lab's checks: each plausible mistake (a small patch to the reference) loses
+points with a message naming it. (The reference's full marks and the untouched handout's 0 are
+tested for every lab in ``test_labs.py``.)"""
 
 from __future__ import annotations
 
 import pytest
+from helpers import grade_lab, lost_points, patched, submit
 
 from pagedlearn.labs import get
-from pagedlearn.labs.handout import lab_files
-from pagedlearn.labs.runner import FAILED, NOT_DONE, PASSED, run_check
-from pagedlearn.labs.submission import load, reference
+from pagedlearn.labs.runner import FAILED
 
 LAB = get("scheduler")
 FILE = "scheduler.py"
-
-
-def grade(sub):
-    return [run_check(c, sub) for c in LAB.checks]
-
-
-def write(tmp_path, source: str) -> list:
-    path = tmp_path / FILE
-    path.write_text(source)
-    return [path]
-
-
-def test_lab_is_well_formed():
-    assert LAB.number == 6 and 8 <= len(LAB.checks) <= 15
-    assert all(1 <= c.points <= 3 for c in LAB.checks)
-    assert [e.id for e in LAB.exercises] == ["admit", "victim", "preempt"]
-    assert {c.exercise for c in LAB.checks} == {"admit", "victim", "preempt"}
-
-
-def test_reference_gets_full_marks():
-    outcomes = grade(reference(LAB))
-    assert [o.message for o in outcomes if not o.passed] == []
-    assert sum(o.score for o in outcomes) == LAB.max_score
-
-
-def test_handout_gets_nothing(tmp_path):
-    sub = load(LAB, write(tmp_path, lab_files(LAB, blank=True)[FILE]))
-    outcomes = grade(sub)
-    assert sum(o.score for o in outcomes) == 0
-    assert {o.status for o in outcomes} == {NOT_DONE}
-    assert all(o.message.startswith("not implemented yet -- scheduler: ") for o in outcomes)
 
 
 # (old text, new text, a phrase some failing message must contain)
@@ -128,12 +97,8 @@ MISTAKES = [
 
 @pytest.mark.parametrize(("old", "new", "phrase"), MISTAKES)
 def test_mistake_loses_points(tmp_path, old, new, phrase):
-    source = lab_files(LAB, blank=False)[FILE]
-    assert source.count(old) == 1, "the patch no longer applies to scheduler.py"
-    outcomes = grade(load(LAB, write(tmp_path, source.replace(old, new))))
-    lost = [o for o in outcomes if o.status != PASSED]
-    assert lost, "this mistake gets full marks"
-    assert any(phrase in o.message for o in lost), [o.message for o in lost]
+    sub = submit(LAB, tmp_path, patched(LAB, FILE, old, new))
+    lost_points(grade_lab(LAB, sub), phrase)
 
 
 def test_notebook_style_submission_is_graded_method_by_method():
@@ -146,7 +111,7 @@ def test_notebook_style_submission_is_graded_method_by_method():
         def _choose_victim(self, queue, req):
             return queue[0] if queue else req  # the oldest not yet handled
 
-    outcomes = grade(Submission({"Scheduler": Scheduler}, "a notebook"))
+    outcomes = grade_lab(LAB, Submission({"Scheduler": Scheduler}, "a notebook"))
     lost = {o.check for o in outcomes if not o.passed}
     assert lost == {
         "victim_is_the_youngest_not_yet_handled",

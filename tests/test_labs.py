@@ -16,12 +16,13 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from helpers import grade_lab, submit
 
 from pagedlearn.labs import LAB_IDS, get
 from pagedlearn.labs.handout import _find, blank_source, exercise_code, is_stub, lab_files
 from pagedlearn.labs.lab import Check, CheckFailed, Exercise, Lab
 from pagedlearn.labs.runner import ERROR, FAILED, NOT_DONE, PASSED, run_check
-from pagedlearn.labs.submission import SubmissionError, load
+from pagedlearn.labs.submission import SubmissionError, load, reference
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCE = '''\
@@ -176,6 +177,34 @@ def test_runner_turns_every_ending_into_a_verdict(tmp_path):
     assert run_check(check_with(5, 5), sub).status == PASSED
     missing = run_check(Check("m", "slots", 1, lambda s: s.Nope, 1), sub)
     assert missing.status == FAILED and "does not define 'Nope'" in missing.message
+
+
+# --- each lab, in-process ------------------------------------------------------------------------
+@pytest.mark.parametrize("lab_id", LAB_IDS)
+def test_each_lab_is_well_formed_and_grades_reference_and_handout(lab_id, tmp_path):
+    """A lab's shape (its number, 8-15 checks of 1-3 points, every exercise checked), then its
+    checks in-process: the reference gets full marks, the untouched handout 0 points, and every
+    stub says which lab's task is not done yet."""
+    if lab_id == "kernel":
+        pytest.importorskip("triton")  # its checks launch the Triton kernel
+    lab = get(lab_id)
+    assert lab.number == LAB_IDS.index(lab_id) + 1
+    assert 8 <= len(lab.checks) <= 15
+    assert [c.name for c in lab.checks if not 1 <= c.points <= 3] == []
+    exercises = [ex.id for ex in lab.exercises]
+    assert [ex for ex in exercises if not lab.checks_of(ex)] == [], "exercises without checks"
+    assert [c.name for c in lab.checks if c.exercise not in exercises] == [], "unknown exercise"
+
+    outcomes = grade_lab(lab, reference(lab))
+    assert [o.message for o in outcomes if not o.passed] == []
+    assert sum(o.score for o in outcomes) == lab.max_score
+
+    outcomes = grade_lab(lab, submit(lab, tmp_path, lab_files(lab, blank=True)))
+    assert sum(o.score for o in outcomes) == 0
+    # A stub is reported as work to do, never as a wrong answer.
+    assert {o.status for o in outcomes} == {NOT_DONE}
+    not_done = [o.message for o in outcomes if o.status == NOT_DONE]
+    assert [m for m in not_done if not m.startswith(f"not implemented yet -- {lab_id}: ")] == []
 
 
 # --- the grader, end to end -----------------------------------------------------------------------
@@ -359,3 +388,22 @@ def test_lab_notebook_runs_with_the_reference_and_stops_at_the_first_stub(lab_id
     stopped = next(c for c in handout.cells if c.source.startswith(f"# Exercise {first.id!r}"))
     assert any(o.get("ename") for o in stopped.outputs), "it stops at the first exercise"
     assert ran
+
+
+def test_a_wrong_answer_in_a_notebook_prints_the_verdict_and_shows_both_pools():
+    """What a student sees: the allocator notebook with "evict the most recently freed" in its
+    pool cell prints a FAIL line with the operations, and shows a picture (PNG) under it."""
+    jupytext = pytest.importorskip("jupytext")
+    pytest.importorskip("nbclient")
+    from pagedlearn.labs.notebooks import LAB_NOTEBOOKS, lab_notebook
+
+    nb = jupytext.read(lab_notebook("allocator"))
+    cell = next(c for c in nb.cells if c.source.startswith("# Exercise 'pool'"))
+    lru = "block_id, _ = self._free_cached.popitem(last=False)"
+    assert cell.source.count(lru) == 1
+    cell.source = cell.source.replace(lru, lru.replace("False", "True"))
+    _run_notebook(nb, LAB_NOTEBOOKS)
+    text = "".join(o.get("text", "") for o in cell.outputs)
+    assert "[FAIL] 0/2  cached blocks are evicted least recently freed first" in text
+    assert "yours returned [4]" in text and "[PASS]" in text
+    assert any("image/png" in o.get("data", {}) for o in cell.outputs), "no picture shown"
