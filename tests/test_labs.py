@@ -407,3 +407,38 @@ def test_a_wrong_answer_in_a_notebook_prints_the_verdict_and_shows_both_pools():
     assert "[FAIL] 0/2  cached blocks are evicted least recently freed first" in text
     assert "yours returned [4]" in text and "[PASS]" in text
     assert any("image/png" in o.get("data", {}) for o in cell.outputs), "no picture shown"
+
+
+def test_your_kv_cache_manager_uses_a_lab_answer_only_once_it_passes(tmp_path, capsys):
+    from pagedlearn.block_allocator import BlockAllocator
+    from pagedlearn.labs.plug import nearby, your_kv_cache_manager
+
+    lab = get("allocator")
+    for blank in (True, False):
+        folder = tmp_path / ("blank" if blank else "done")
+        folder.mkdir()
+        paths = []
+        for name, text in lab_files(lab, blank=blank).items():
+            (folder / name).write_text(text)
+            paths.append(folder / name)
+        Manager = your_kv_cache_manager(allocator=paths)
+        printed = capsys.readouterr().out
+        if blank:  # not done yet: the reference's, and a line that says so
+            assert Manager.allocator_class is BlockAllocator
+            assert f"yours scores 0/{lab.max_score} so far" in printed
+        else:
+            assert Manager.allocator_class is not BlockAllocator
+            assert "allocator + block table: yours" in printed
+            kv = Manager(num_blocks=4, block_size=2)
+            assert kv.add_sequence("a", [1, 2, 3]) == 0 and kv.block_table("a") == [0, 1]
+    assert your_kv_cache_manager(allocator=tmp_path / "missing.ipynb").allocator_class is (
+        BlockAllocator
+    )
+    assert "no such file" in capsys.readouterr().out
+    assert nearby("allocator", tmp_path) is None
+    for folder in ("01_allocator", "03_prefix"):  # the handout's layout
+        (tmp_path / folder).mkdir()
+    (tmp_path / "01_allocator" / "01_allocator.ipynb").write_text("{}")
+    assert nearby("allocator", tmp_path / "03_prefix") == (
+        tmp_path / "03_prefix" / ".." / "01_allocator" / "01_allocator.ipynb"
+    )

@@ -237,11 +237,12 @@ check("evict")
 # %% [markdown]
 # ## Your prefix cache serves a model
 #
-# `your_kv_cache_manager(prefix=globals())` builds a `KVCacheManager` class whose prefix cache is
-# the `PrefixCache` (and the `hash_block`) defined in this notebook; the allocator and the
-# rest are the reference's (pass `allocator=` and `cow=` your lab 1 and lab 2 notebooks to use
-# yours too: it prints which parts are whose). `LLM(..., kv_cache_manager=Manager)` serves a model
-# on it.
+# `your_kv_cache_manager(...)` builds a `KVCacheManager` class from your labs: the
+# `PrefixCache` (and the `hash_block`) defined in this notebook, and your allocator, block table,
+# fork and copy-on-write from the notebooks of labs 1 and 2 beside this one (`nearby` finds
+# them). Each of those is graded first and used only if it passes every check; until then that
+# part is the reference's. It prints which parts are whose. `LLM(..., kv_cache_manager=Manager)`
+# serves a model on it.
 #
 # Three chats with one system prompt arrive a few steps apart. Watch the live view: the system
 # prompt's full blocks are computed once, registered by your `insert`, found by your `match` for
@@ -256,12 +257,14 @@ check("evict")
 from IPython.display import display
 
 from pagedlearn import LLM, SamplingParams
-from pagedlearn.labs.plug import your_kv_cache_manager
+from pagedlearn.labs.plug import nearby, your_kv_cache_manager
 from pagedlearn.notebook import setup
 from pagedlearn.viz import LiveBlockView, draw_block_pool
 
 env = setup()
-Manager = your_kv_cache_manager(prefix=globals())
+# Your prefix cache (this notebook) on your allocator and copy-on-write (labs 1 and 2, read from
+# their notebooks beside this one and graded first: one not passing yet is the reference's).
+Manager = your_kv_cache_manager(allocator=nearby("allocator"), cow=nearby("cow"), prefix=globals())
 llm = LLM(env.gpt2, num_blocks=32, block_size=8, kv_cache_manager=Manager, verbose=False)
 view = LiveBlockView(llm, delay=0.3)
 display(view)

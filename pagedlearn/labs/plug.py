@@ -5,9 +5,13 @@ table, fork and copy-on-write, and the prefix cache. :func:`your_kv_cache_manage
 into one :class:`~pagedlearn.KVCacheManager` subclass, and ``LLM(...,
 kv_cache_manager=Manager)`` serves a real model on it::
 
-    Manager = your_kv_cache_manager(allocator="01_allocator.ipynb", cow="02_cow.ipynb",
+    Manager = your_kv_cache_manager(allocator=nearby("allocator"), cow=nearby("cow"),
                                     prefix=globals())
     llm = LLM("gpt2", num_blocks=64, kv_cache_manager=Manager)
+
+``nearby`` finds a lab's notebook beside the one running (the handout's folders, or one folder
+of notebooks); an answer read from a file is graded first and used only if it passes every
+check, so an unfinished lab falls back to the reference instead of breaking the model.
 
 The mechanism is plain subclassing. ``KVCacheManager`` names its parts in class attributes
 (``allocator_class``, ``block_table_class``, ``prefix_cache_class``); the subclass sets them to the
@@ -24,23 +28,49 @@ from pagedlearn.block_allocator import BlockAllocator
 from pagedlearn.block_table import BlockTable
 from pagedlearn.kv_cache_manager import KVCacheManager
 from pagedlearn.labs import get
-from pagedlearn.labs.submission import Submission, load
+from pagedlearn.labs.runner import run_check
+from pagedlearn.labs.submission import Submission, SubmissionError, load
 from pagedlearn.prefix_cache import PrefixCache
 
 
 def _names(lab_id: str, part) -> dict | None:
     """A lab answer as a dict of names: ``part`` is a namespace (``globals()``), a module, a path
-    (or list of paths) to the lab notebook / ``.py`` files, or None (the reference)."""
+    (or list of paths) to the lab notebook / ``.py`` files, or None (the reference).
+
+    An answer read from files is graded first (in this process, a few seconds), and used only
+    if it passes every check: a lab not done yet -- a missing file, a stub, a failing check --
+    falls back to the reference, with a line that says so, instead of breaking the model."""
     if part is None:
         return None
     if isinstance(part, dict):
         return part
-    if isinstance(part, (str, os.PathLike, list, tuple)):
-        paths = [part] if isinstance(part, (str, os.PathLike)) else list(part)
-        return load(get(lab_id), [Path(p) for p in paths])._ns
     if isinstance(part, Submission):
         return part._ns
-    return vars(part)  # a module
+    if not isinstance(part, (str, os.PathLike, list, tuple)):
+        return vars(part)  # a module
+    paths = [part] if isinstance(part, (str, os.PathLike)) else list(part)
+    lab = get(lab_id)
+    try:
+        sub = load(lab, [Path(p) for p in paths])
+    except SubmissionError as e:
+        print(f"{lab_id}: {e}; using the reference's")
+        return None
+    outcomes = [run_check(c, sub) for c in lab.checks]
+    score = sum(o.score for o in outcomes)
+    if score < lab.max_score:
+        print(f"{lab_id}: yours scores {score}/{lab.max_score} so far; using the reference's")
+        return None
+    return sub._ns
+
+
+def nearby(lab_id: str, here: str | os.PathLike = ".") -> Path | None:
+    """The notebook of lab ``lab_id`` next to ``here`` (``NN_<lab>.ipynb`` in the same folder,
+    or in the handout's ``../NN_<lab>/``), or None."""
+    name = f"{get(lab_id).number:02d}_{lab_id}"
+    for path in (Path(here) / f"{name}.ipynb", Path(here) / ".." / name / f"{name}.ipynb"):
+        if path.exists():
+            return path
+    return None
 
 
 def your_kv_cache_manager(allocator=None, cow=None, prefix=None, verbose: bool = True) -> type:
