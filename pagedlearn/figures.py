@@ -129,7 +129,7 @@ def lab_feedback():
 
     from pagedlearn.labs import get
     from pagedlearn.labs.handout import reference_source
-    from pagedlearn.labs.runner import MARK, run_check
+    from pagedlearn.labs.runner import run_check
     from pagedlearn.labs.submission import load
 
     lab = get("cow")
@@ -143,11 +143,8 @@ def lab_feedback():
     png = io.BytesIO()
     outcome.picture().savefig(png, format="png", dpi=100)
     picture = matplotlib.image.imread(io.BytesIO(png.getvalue()), format="png")
-    head = f"[{MARK[outcome.status]}] {outcome.score}/{outcome.max_score}  {check.title}"
-    text = [
-        head,
-        *textwrap.wrap(outcome.message, 110, initial_indent="       ", subsequent_indent="       "),
-    ]
+    head, *message = outcome.lines()  # as check("cow") prints them, wrapped to the picture
+    text = [head, *textwrap.wrap(" ".join(message), 110, subsequent_indent="       ")]
     h_px, w_px = picture.shape[:2]
     text_h = 0.2 * len(text) + 0.2
     fig = Figure(figsize=(w_px / 100, h_px / 100 + text_h))

@@ -19,13 +19,12 @@ traceback): the cells below build on this one. While a notebook is being graded
 
 from __future__ import annotations
 
-import importlib
 import os
 import sys
 
 from pagedlearn.labs import get
-from pagedlearn.labs.runner import MARK, NOT_DONE, Outcome, run_check
-from pagedlearn.labs.submission import GRADING_ENV, Submission
+from pagedlearn.labs.runner import NOT_DONE, Outcome, run_check
+from pagedlearn.labs.submission import GRADING_ENV, Submission, reference
 
 
 class NotDoneYet(NotImplementedError):
@@ -37,11 +36,7 @@ class NotDoneYet(NotImplementedError):
 
 def given(lab_id: str) -> dict:
     """The reference modules' names, as a notebook starts with them."""
-    ns: dict = {}
-    for path in get(lab_id).files:
-        module = importlib.import_module(path.removesuffix(".py").replace("/", "."))
-        ns.update({k: v for k, v in vars(module).items() if not k.startswith("__")})
-    return ns
+    return {k: v for k, v in reference(get(lab_id))._ns.items() if not k.startswith("__")}
 
 
 def start(lab_id: str, namespace: dict):
@@ -71,9 +66,8 @@ def report(outcomes: list[Outcome], out) -> None:
     """One line per check; a failure's message below it; the first failure's picture."""
     shown = False
     for o in outcomes:
-        print(f"[{MARK[o.status]}] {o.score}/{o.max_score}  {o.check.replace('_', ' ')}", file=out)
-        if o.message and o.status != NOT_DONE:
-            print("       " + o.message.replace("\n", "\n       "), file=out)
+        # A stub's task is the message NotDoneYet stops on: no need to print it twice.
+        print("\n".join(o.lines()[: 1 if o.status == NOT_DONE else None]), file=out)
         if o.picture is not None and not shown:
             shown = _show(o.picture)
     total = sum(o.score for o in outcomes)

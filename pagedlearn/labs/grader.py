@@ -34,7 +34,7 @@ from pathlib import Path
 
 from pagedlearn.labs import get
 from pagedlearn.labs.lab import Lab
-from pagedlearn.labs.runner import ERROR, MARK, NOT_DONE, PASSED, Outcome
+from pagedlearn.labs.runner import ERROR, NOT_DONE, PASSED, Outcome
 from pagedlearn.labs.submission import SubmissionError
 
 LOAD_TIMEOUT_S = 60.0  # importing torch / triton and the submission
@@ -69,11 +69,10 @@ class Report:
             return f"cannot load {self.origin}: {self.load_error}"
         seen = set()
         for o in self.outcomes:
-            lines.append(f"[{MARK[o.status]}] {o.score}/{o.max_score}  {o.exercise}: {_title(o)}")
             if o.message in seen and o.status == NOT_DONE:  # one stub fails several checks
-                lines.append("       not implemented yet (the same stub as above)")
-            elif o.message:
-                lines.append("       " + o.message.replace("\n", "\n       "))
+                lines += [o.lines(exercise=True)[0], "       not implemented yet (as above)"]
+            else:
+                lines += o.lines(exercise=True)
             seen.add(o.message)
         passed = sum(o.status == PASSED for o in self.outcomes)
         lines.append(
@@ -92,7 +91,7 @@ class Report:
             }
         tests = [
             {
-                "name": f"{o.exercise}: {_title(o)}",
+                "name": f"{o.exercise}: {o.title}",
                 "score": o.score,
                 "max_score": o.max_score,
                 "status": "passed" if o.status == PASSED else "failed",
@@ -106,10 +105,6 @@ class Report:
             "output": f"{self.lab.id}: {self.score}/{self.max_score}",
             "tests": tests,
         }
-
-
-def _title(o: Outcome) -> str:
-    return o.check.replace("_", " ")
 
 
 def grade(

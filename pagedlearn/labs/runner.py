@@ -44,6 +44,16 @@ class Outcome:
     def passed(self) -> bool:
         return self.status == PASSED
 
+    def lines(self, exercise: bool = False) -> list[str]:
+        """How a report shows it: ``[FAIL] 0/2  <check>``, then the message, indented."""
+        where = f"{self.exercise}: " if exercise else ""
+        head = f"[{MARK[self.status]}] {self.score}/{self.max_score}  {where}{self.title}"
+        return [head, *("       " + line for line in self.message.splitlines())]
+
+    @property
+    def title(self) -> str:
+        return self.check.replace("_", " ")
+
     def as_dict(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if k != "picture"}
 
