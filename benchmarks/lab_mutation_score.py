@@ -30,19 +30,11 @@ import tempfile
 import time
 from pathlib import Path
 
-if "TRITON_INTERPRET" not in os.environ:  # the kernel lab: Triton's CPU interpreter without a GPU
-    try:
-        import torch
-
-        if not torch.cuda.is_available():
-            os.environ["TRITON_INTERPRET"] = "1"
-    except ImportError:
-        pass
-
 from pagedlearn.labs import LAB_IDS, get
 from pagedlearn.labs.handout import _find, reference_source
 from pagedlearn.labs.runner import PASSED, run_check
 from pagedlearn.labs.submission import SubmissionError, load
+from pagedlearn.labs.worker import use_triton_interpreter_without_gpu
 
 COMPARE_SWAPS = {
     ast.Lt: ast.LtE,
@@ -199,6 +191,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0, help="which mutants --limit samples")
     parser.add_argument("--survivors", action="store_true", help="list the mutants not caught")
     args = parser.parse_args()
+    use_triton_interpreter_without_gpu()  # as the grader does, before the kernel lab loads triton
     print(
         f"machine: {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
     )

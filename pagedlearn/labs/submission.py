@@ -26,6 +26,7 @@ import os
 import sys
 import types
 from pathlib import Path
+from unittest import mock
 
 from pagedlearn.labs.handout import EXERCISE_TAG
 from pagedlearn.labs.lab import STUDENT_FILES, CheckFailed, Lab, student_line
@@ -128,12 +129,18 @@ def _load_py(path: Path) -> dict:
         raise SubmissionError(f"{path}: cannot be read: {e}") from None
     filename = str(path)
     code = _compile(source, filename)
-    name = f"submission_{next(_LOADED)}"
-    module = types.ModuleType(name)
-    module.__file__ = filename
-    sys.modules[name] = module  # dataclasses and pickling look classes up by module name
+    module = _new_module(path)
     _run(code, module.__dict__, filename)
     return module.__dict__
+
+
+def _new_module(path: Path) -> types.ModuleType:
+    """An empty module for a submission, under a name no other load uses, registered in
+    ``sys.modules`` (dataclasses and pickling look classes up by their module's name)."""
+    module = types.ModuleType(f"submission_{next(_LOADED)}")
+    module.__file__ = str(path)
+    sys.modules[module.__name__] = module
+    return module
 
 
 def notebook_cells(path: Path) -> list[tuple[str, str, bool]]:
@@ -156,13 +163,8 @@ def notebook_cells(path: Path) -> list[tuple[str, str, bool]]:
 
 
 def _load_notebook(path: Path) -> dict:
-    name = f"submission_{next(_LOADED)}"
-    module = types.ModuleType(name)
-    module.__file__ = str(path)
-    sys.modules[name] = module
-    old = os.environ.get(GRADING_ENV)
-    os.environ[GRADING_ENV] = "1"
-    try:
+    module = _new_module(path)
+    with mock.patch.dict(os.environ, {GRADING_ENV: "1"}):  # check() is off; restored after
         for filename, source, is_exercise in notebook_cells(path):
             code = _compile(source, filename)
             try:
@@ -171,11 +173,6 @@ def _load_notebook(path: Path) -> dict:
                 if is_exercise:
                     raise
                 print(f"(skipped the rest of {filename}: {e})", file=sys.stderr)
-    finally:
-        if old is None:
-            os.environ.pop(GRADING_ENV, None)
-        else:
-            os.environ[GRADING_ENV] = old
     return module.__dict__
 
 

@@ -16,7 +16,7 @@ import os
 import sys
 
 
-def _use_triton_interpreter_without_gpu() -> None:
+def use_triton_interpreter_without_gpu() -> None:
     """Triton runs on a CPU only in its interpreter, chosen before triton is first imported."""
     if os.environ.get("TRITON_INTERPRET") is None:
         try:
@@ -39,7 +39,7 @@ def main(argv: list[str]) -> int:
         proto.flush()
 
     if lab_id == "kernel":
-        _use_triton_interpreter_without_gpu()
+        use_triton_interpreter_without_gpu()
     os.environ.setdefault("MPLBACKEND", "Agg")  # pictures are never drawn here; never a window
     from pagedlearn.labs import get
     from pagedlearn.labs.runner import run_check
