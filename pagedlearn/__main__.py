@@ -1,66 +1,239 @@
-"""Command line: ``python -m pagedlearn {demo, blocks, check-env, paper, figures, labs, grade}``."""
+"""Command line: ``python -m pagedlearn {demo, blocks, check-env, paper, figures, labs, grade}``.
+
+Options are checked before any work starts (no model loaded, nothing simulated): a bad number, an
+unknown option, an output directory that cannot be created or written ends at once with the
+command's usage and a line naming the option, exit code 2 (argparse's own). The demo checks what
+needs the model's config right after loading it, before allocating the pool, and reports it the
+same way. A command that starts and cannot go on exits 1 with one line saying why. Quick runs
+(``paper --quick``, ``figures --quick``) write into a new temporary directory and print where, so
+that ``figures/`` keeps the full runs' pictures the README describes, unless told where to write.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
+from pathlib import Path
+
+DESCRIPTION = (
+    "pagedlearn: PagedAttention (Kwon et al., SOSP 2023) built small and run on real models. "
+    "'python -m pagedlearn COMMAND --help' lists a command's options."
+)
+EPILOG = (
+    "exit codes: 0 done; 1 it failed or found failures (it says which); 2 a bad option, nothing ran"
+)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pagedlearn", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser(
-        "demo", help="a model serving a mixed batch from a small paged KV cache (the main job)"
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Show each option's default, except where there is none worth showing (flags, None: the
+    help says in words what happens then)."""
+
+    def _get_help_string(self, action):
+        if action.default is None or isinstance(action.default, bool):
+            return action.help
+        return super()._get_help_string(action)
+
+
+def int_in(low: int, high: int | None = None, why: str = ""):
+    """An argparse ``type`` for integers in ``[low, high]``; its error names the value and bound
+    (argparse prefixes the option: ``argument --num-blocks: must be a positive integer, got
+    -5``)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+        if value < low:
+            bound = "a positive integer" if low == 1 else f"at least {low}"
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {value}")
+        if high is not None and value > high:
+            raise argparse.ArgumentTypeError(
+                f"must be at most {high}, got {value}" + (f" ({why})" if why else "")
+            )
+        return value
+
+    return parse
+
+
+def writable_dir(path) -> str | None:
+    """Create ``path`` (and its parents) if missing and check that a file can be written there;
+    returns None when it can, else why not, in words."""
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        return f"{p} exists and is not a directory"
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        return f"cannot create directory {p} ({e.strerror or e})"
+    try:
+        with tempfile.TemporaryFile(dir=p):  # the truth, where os.access may not tell it (root)
+            pass
+    except OSError as e:
+        return f"cannot write into {p} ({e.strerror or e})"
+    return None
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, dict]:
+    """The parser, and each (sub)command's own parser by name ("labs export" for nested ones), so
+    that an error is reported with the usage of the command it belongs to."""
+    from pagedlearn import block_demo, demo
+
+    parser = argparse.ArgumentParser(
+        prog="python -m pagedlearn",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=HelpFormatter,
     )
-    demo.add_argument(
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    parsers = {"": parser}
+
+    def command(name, help, parent=sub, prefix=""):
+        p = parent.add_parser(name, help=help, description=help, formatter_class=HelpFormatter)
+        parsers[prefix + name] = p
+        return p
+
+    d = command("demo", "a model serving a mixed batch from a small paged KV cache (the main job)")
+    d.add_argument(
         "--model",
         default="auto",
-        help="gpt2, facebook/opt-125m, tiny-gpt2, tiny-opt, a path, or auto "
-        "(gpt2 if cached, else tiny-gpt2)",
+        help="gpt2, facebook/opt-125m, tiny-gpt2, tiny-opt, a path, or auto: gpt2 if cached, "
+        "else tiny-gpt2",
     )
-    demo.add_argument("--block-size", type=int, default=16, help="tokens per block")
-    demo.add_argument(
+    d.add_argument(
+        "--block-size",
+        type=int_in(1, demo.MAX_BLOCK_SIZE, "a block longer than the model's context never fills"),
+        default=16,
+        help="tokens per block (at most the model's context)",
+    )
+    d.add_argument(
         "--num-blocks",
-        type=int,
+        type=int_in(1),
         default=None,
-        help="blocks in the pool (default: about half of what the batch needs)",
+        help="blocks in the pool (default: about half of what the batch needs, so that some "
+        f"requests are preempted; the pool may take at most {demo.MAX_POOL_BYTES >> 30} GiB)",
     )
-    demo.add_argument("--preemption-mode", choices=("recompute", "swap"), default="recompute")
-    demo.add_argument(
+    d.add_argument(
+        "--preemption-mode",
+        choices=("recompute", "swap"),
+        default="recompute",
+        help="when the pool runs out, a running request's blocks are freed and its tokens "
+        "recomputed later (recompute), or its blocks are copied to a CPU pool and back (swap)",
+    )
+    d.add_argument(
         "--backend",
         choices=("auto", "torch", "triton"),
         default="auto",
         help="attention: auto = Triton on a GPU, the PyTorch reference on a CPU",
     )
-    demo.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
-    blocks = sub.add_parser("blocks", help="the memory manager alone, with made-up tokens")
-    blocks.add_argument("--num-blocks", type=int, default=16, help="physical blocks in the pool")
-    blocks.add_argument("--block-size", type=int, default=4, help="tokens per block")
-    blocks.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
-    env = sub.add_parser("check-env", help="print [OK]/[FAIL] per dependency, GPU and Triton")
+    d.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
+    b = command("blocks", "the memory manager alone, with made-up tokens")
+    b.add_argument(
+        "--num-blocks",
+        type=int_in(1, block_demo.MAX_NUM_BLOCKS, "a bigger pool map does not fit a screen"),
+        default=16,
+        help="physical blocks in the pool",
+    )
+    b.add_argument(
+        "--block-size",
+        type=int_in(1, block_demo.MAX_BLOCK_SIZE, "a bigger block never fills in this walk"),
+        default=4,
+        help="tokens per block",
+    )
+    b.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
+    env = command("check-env", "print [OK]/[FAIL] per dependency, GPU and Triton")
     env.add_argument("--no-dev", action="store_true", help="skip the dev tools")
-    paper = sub.add_parser("paper", help="recompute the paper's memory figures beside its numbers")
-    paper.add_argument("--quick", action="store_true", help="fewer requests and sweep points")
-    paper.add_argument("--figures", default="figures", help="where to write PNGs ('' for none)")
-    figures = sub.add_parser("figures", help="regenerate every PNG in figures/ (seeded, offline)")
-    figures.add_argument("--out", default="figures", help="where to write the PNGs")
-    figures.add_argument("--no-paper", action="store_true", help="skip the paper's figures")
-    figures.add_argument("--quick", action="store_true", help="smaller simulations")
-    labs = sub.add_parser("labs", help="the graded labs: list them, or export the student handout")
-    labs_sub = labs.add_subparsers(dest="labs_command", required=True)
-    labs_sub.add_parser("list", help="one line per lab: <id>  <reference file>  <title>")
-    export = labs_sub.add_parser("export", help="write the student handout (no solutions) to DIR")
-    export.add_argument("dir", metavar="DIR")
-    grade = sub.add_parser("grade", help="grade a lab submission (exit 0: all pass, 1: some fail)")
-    grade.add_argument("lab", metavar="LAB", help="allocator, cow, prefix, attention, kernel, ...")
-    grade.add_argument(
+    p = command("paper", "recompute the paper's memory figures beside its numbers")
+    p.add_argument("--quick", action="store_true", help="fewer requests and sweep points")
+    p.add_argument(
+        "--figures",
+        metavar="DIR",
+        default=None,
+        help="where to write the PNGs, '' for none (default: figures/; with --quick, a new "
+        "temporary directory, so that figures/ keeps the full run's pictures)",
+    )
+    f = command("figures", "regenerate every PNG in figures/ (seeded, offline)")
+    f.add_argument(
+        "--out",
+        metavar="DIR",
+        default=None,
+        help="where to write the PNGs (default: figures/; with --quick, a new temporary "
+        "directory, so that figures/ keeps the full run's pictures)",
+    )
+    f.add_argument("--no-paper", action="store_true", help="skip the paper's figures")
+    f.add_argument("--quick", action="store_true", help="smaller simulations")
+    labs = command("labs", "the graded labs: list them, or export the student handout")
+    labs_sub = labs.add_subparsers(dest="labs_command", required=True, metavar="ACTION")
+    command("list", "one line per lab: <id>  <reference file>  <title>", labs_sub, "labs ")
+    export = command("export", "write the student handout (no solutions) to DIR", labs_sub, "labs ")
+    export.add_argument("dir", metavar="DIR", help="created if missing; files in it are replaced")
+    g = command("grade", "grade a lab submission (exit 0: all pass, 1: some fail)")
+    g.add_argument("lab", metavar="LAB", help="allocator, cow, prefix, attention, kernel, ...")
+    g.add_argument(
         "submission", metavar="SUBMISSION", nargs="*", help="the lab notebook, or its .py files"
     )
-    grade.add_argument(
+    g.add_argument(
         "--reference", action="store_true", help="grade the package's own code (full marks)"
     )
-    grade.add_argument("--json", metavar="PATH", help="write Gradescope's results.json there")
-    args = parser.parse_args(argv)
+    g.add_argument("--json", metavar="PATH", help="write Gradescope's results.json there")
+    return parser, parsers
+
+
+def parse(argv: list[str] | None = None):
+    """Parse ``argv``; an unknown option is reported by the command it was given to (its usage,
+    not the top level's). Returns ``(args, the command's own parser)``."""
+    parser, parsers = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args, unknown = parser.parse_known_args(argv)
+    name = args.command + (f" {args.labs_command}" if args.command == "labs" else "")
+    own = parsers[name]
+    if unknown:
+        command_at = argv.index(args.command)  # the top level has no options but --help
+        before = unknown[0] in argv[:command_at]
+        (parser if before else own).error(f"unrecognized arguments: {' '.join(unknown)}")
+    return args, own
+
+
+def output_dirs(args, own: argparse.ArgumentParser) -> None:
+    """Settle where ``paper`` / ``figures`` / ``labs export`` / ``grade --json`` write and check
+    that they can, before anything is computed; quick runs default to a temporary directory."""
+    if args.command in ("paper", "figures"):
+        option = "--figures" if args.command == "paper" else "--out"
+        given = args.figures if args.command == "paper" else args.out
+        if given is None and args.quick:
+            try:
+                given = tempfile.mkdtemp(prefix=f"pagedlearn-{args.command}-quick-")
+            except OSError as e:
+                own.error(f"--quick: no temporary directory ({e}); give {option} DIR")
+            print(
+                f"quick run: the pictures go to {given} (figures/ keeps the full run's pictures, "
+                f"which the README describes; {option} DIR to choose)"
+            )
+        elif given is None:
+            given = "figures"
+        if args.command == "paper":
+            args.figures = given or None  # '' : no figures
+        else:
+            args.out = given
+        checks = [(option, given)] if given else []
+    elif args.command == "labs" and args.labs_command == "export":
+        checks = [("DIR", args.dir)]
+    elif args.command == "grade" and args.json:
+        if Path(args.json).is_dir():
+            own.error(f"argument --json: {args.json} is a directory; give a file name")
+        checks = [("--json", Path(args.json).parent)]
+    else:
+        checks = []
+    for option, path in checks:
+        why = writable_dir(path)
+        if why:
+            own.error(f"argument {option}: {why}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, own = parse(argv)
+    output_dirs(args, own)
 
     if args.command in ("labs", "grade"):
         return _labs(args)
@@ -73,10 +246,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "paper":
         from pagedlearn.sim.paper import report
 
-        report(quick=args.quick, figures_dir=args.figures or None)
+        report(quick=args.quick, figures_dir=args.figures)
         return 0
 
     if args.command in ("demo", "blocks"):
+        from pagedlearn.demo import OptionError
         from pagedlearn.errors import PagedLearnError
 
         try:
@@ -95,6 +269,8 @@ def main(argv: list[str] | None = None) -> int:
                     args.backend,
                     not args.no_prefix_caching,
                 )
+        except OptionError as e:  # an option the model's config rules out: a usage error
+            own.error(f"argument --{e.option.replace('_', '-')}: {e}")
         except PagedLearnError as e:
             print(f"{args.command} stopped: {e}", file=sys.stderr)
             return 1

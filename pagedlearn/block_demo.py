@@ -15,6 +15,11 @@ from collections import Counter
 from pagedlearn.kv_cache_manager import KVCacheManager
 
 SYSTEM_PROMPT = list(range(100, 108))  # 8 made-up token ids every request starts with
+C_DECODES = 28  # tokens C generates: its 13-token prompt grows to 41, the walk's longest sequence
+# The command line's bounds: a pool map of more blocks does not fit a screen (it is printed five
+# times), and a block of more than 41 tokens never fills in this walk.
+MAX_NUM_BLOCKS = 1024
+MAX_BLOCK_SIZE = 64
 
 
 def format_pool(
@@ -85,13 +90,14 @@ def run_demo(num_blocks: int = 16, block_size: int = 4, prefix_caching: bool = T
 
     reused = kv.add_sequence("C", [*SYSTEM_PROMPT, 9, 9, 9, 9, 9])
     print(f"C: arrives later with the system prompt, {reused} tokens reused from the cache")
-    for step in range(28):
+    evictions = kv.stats()["evictions"]
+    for step in range(C_DECODES):
         kv.append_token("C", 300 + step)
-    show(
-        kv,
-        "C decoded 28 tokens: the empty blocks ran out, so least recently used cached "
-        "blocks were evicted",
-    )
+    if kv.stats()["evictions"] > evictions:
+        why = "the empty blocks ran out, so least recently used cached blocks were evicted"
+    else:
+        why = "the pool still had empty blocks, so no cached block was evicted"
+    show(kv, f"C decoded {C_DECODES} tokens: {why}")
 
     for seq_id in kv.sequences():
         kv.free_sequence(seq_id)

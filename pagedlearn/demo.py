@@ -11,15 +11,32 @@ pressure, are the same on every machine.
 
 Without a network or a cached GPT-2, ``--model auto`` uses the offline ``tiny-gpt2`` (random
 weights: the text is gibberish, the memory behaviour is real).
+
+Options are checked before the model loads (:func:`check_options`), and against the model's config
+right after, before the pool is allocated (:func:`check_for_model`): a block longer than the
+model's context could never fill, and a pool beyond :data:`MAX_POOL_BYTES` is a typo, not a demo.
+This module imports no torch at load time, so that ``python -m pagedlearn --help`` stays instant.
 """
 
 from __future__ import annotations
 
 import string
 
-from pagedlearn import BeamSearchParams, SamplingParams
 from pagedlearn.block_demo import format_pool
 from pagedlearn.errors import PagedLearnError
+
+MAX_BLOCK_SIZE = 4096  # checked before loading; the model's context bounds it again after
+MAX_POOL_BYTES = 2**30  # the whole batch at once: ~1,000 tokens, 75 MiB on GPT-2 (fp32)
+
+
+class OptionError(PagedLearnError, ValueError):
+    """An option the demo cannot run with; ``option`` names it (``"block_size"``), so that the
+    command line can report it as ``--block-size``."""
+
+    def __init__(self, option: str, message: str) -> None:
+        super().__init__(message)
+        self.option = option
+
 
 SYSTEM = "You are a concise assistant. Answer in one sentence. "
 LONG = (
@@ -30,6 +47,8 @@ LONG = (
 
 def requests():
     """(request id, prompt, params) of the mixed batch; "cancel" is aborted mid-way."""
+    from pagedlearn import BeamSearchParams, SamplingParams  # imports torch: only when used
+
     sample = dict(ignore_eos=True)
     return [
         ("chat-1", SYSTEM + "What is a KV cache?", SamplingParams(max_tokens=24, **sample)),
@@ -72,6 +91,51 @@ def default_num_blocks(tokenizer, reqs, block_size: int) -> int:
     return max(max(need) + 2, sum(need) // 2)
 
 
+def check_options(block_size, num_blocks) -> None:
+    """What can be checked before loading anything: positive ints, a block of at most
+    :data:`MAX_BLOCK_SIZE` tokens. Raises :class:`OptionError`."""
+    for name, value in (("block_size", block_size), ("num_blocks", num_blocks)):
+        if value is None and name == "num_blocks":
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise OptionError(name, f"{name} must be a positive int, got {value!r}")
+    if block_size > MAX_BLOCK_SIZE:
+        raise OptionError(
+            "block_size", f"block_size must be at most {MAX_BLOCK_SIZE}, got {block_size}"
+        )
+
+
+def check_for_model(
+    loaded, block_size: int, num_blocks: int, swap: bool, num_blocks_given: bool = True
+) -> None:
+    """What needs the model's config, checked before the pool is allocated: a block no longer than
+    the model's context (a longer one could never fill), and a pool (plus the CPU swap pool of the
+    same size, with ``swap``) of at most :data:`MAX_POOL_BYTES`. Raises :class:`OptionError`
+    naming ``num_blocks`` if the user chose it, else ``block_size`` (the default pool grew with
+    it)."""
+    from pagedlearn.models.runner import kv_cache_spec, max_model_len
+
+    context = max_model_len(loaded.model)
+    if block_size > context:
+        raise OptionError(
+            "block_size",
+            f"block_size {block_size} is more than {loaded.name}'s context of {context} "
+            "tokens: a block that long could never fill",
+        )
+    per_token = kv_cache_spec(loaded.model).bytes_per_token
+    pools = 2 if swap else 1
+    nbytes = pools * num_blocks * block_size * per_token
+    if nbytes > MAX_POOL_BYTES:
+        raise OptionError(
+            "num_blocks" if num_blocks_given else "block_size",
+            f"{num_blocks} blocks x {block_size} tokens x {per_token:,} B per token"
+            + (" x 2 (the swap pool)" if swap else "")
+            + f" = {nbytes / 2**30:.2f} GiB of KV cache, more than the demo's "
+            f"{MAX_POOL_BYTES / 2**30:.0f} GiB: its whole batch holds about 1,000 tokens at most"
+            + (" (leave --num-blocks out for about half of that)" if num_blocks_given else ""),
+        )
+
+
 def run_demo(
     model="auto",
     block_size=16,
@@ -83,12 +147,13 @@ def run_demo(
     from pagedlearn import LLM
     from pagedlearn.models import load
 
-    if not isinstance(block_size, int) or block_size < 1:
-        raise PagedLearnError(f"block_size must be a positive int, got {block_size!r}")
+    check_options(block_size, num_blocks)  # before the model loads: seconds saved on a typo
     reqs = requests()
     loaded = load(model)
-    if num_blocks is None:  # size the pool from the prompts as this model tokenizes them
+    given = num_blocks is not None
+    if not given:  # size the pool from the prompts as this model tokenizes them
         num_blocks = default_num_blocks(loaded.tokenizer, reqs, block_size)
+    check_for_model(loaded, block_size, num_blocks, preemption_mode == "swap", given)
     llm = LLM(
         loaded,
         block_size=block_size,

@@ -14,6 +14,10 @@ seeded and offline, so that running the command twice gives the same pictures:
 - ``lab_feedback.png``: what a student sees when a lab check fails (:func:`lab_feedback`);
 - ``paper_*.png``, ``prefix_caching.png``: the paper's memory figures (``python -m pagedlearn
   paper``), unless ``--no-paper``.
+
+``--quick`` runs smaller simulations, whose pictures differ from the committed ones: it writes
+them into a new temporary directory (printed) unless ``--out DIR`` says where, so that
+``figures/`` keeps what the README describes.
 """
 
 from __future__ import annotations

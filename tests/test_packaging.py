@@ -132,10 +132,12 @@ def test_blocks_demo_runs_and_shows_sharing_copying_and_eviction(blocks_demo):
 
 
 def test_cli_rejects_bad_options_with_a_clear_message():
+    # A bad option: the command's usage and a line naming it, exit 2 (tests/test_cli.py has more).
     out = run("-m", "pagedlearn", "blocks", "--block-size", "0")
-    assert out.returncode == 1 and "block_size must be a positive int" in out.stderr
+    assert out.returncode == 2 and "--block-size: must be a positive integer" in out.stderr
     out = run("-m", "pagedlearn", "demo", "--model", "tiny-gpt2", "--block-size", "0")
-    assert out.returncode == 1 and "block_size must be a positive int" in out.stderr
+    assert out.returncode == 2 and "--block-size: must be a positive integer" in out.stderr
+    # A run that cannot go on: one line saying why, exit 1.
     out = run("-m", "pagedlearn", "blocks", "--num-blocks", "4")
     assert out.returncode == 1 and "need" in out.stderr and "free of 4" in out.stderr
     assert run("-m", "pagedlearn", "nonsense").returncode == 2
