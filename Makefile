@@ -10,7 +10,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-all lint format check-env bench lab labs notebooks figures clean
+.PHONY: install demo test test-all test-browser lint format check-env bench lab labs notebooks figures clean
 
 install: $(STAMP)
 
@@ -23,11 +23,21 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)  ## the main job: a model serving a mixed batch from a small paged KV cache
 	$(BIN)/python -m pagedlearn demo
 
+# pytest-xdist runs the suite on every core (`-n auto`; one worker per core, one torch thread per
+# worker: see tests/conftest.py). Add PYTEST_FLAGS="-n 0" to run it in one process.
+PYTEST_FLAGS ?= -n auto
 test: lint  ## the whole suite, as CI runs it (.ci/run calls this)
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest $(PYTEST_FLAGS)
 
 test-all: lint  ## also the slow and GPU tiers
-	$(BIN)/python -m pytest -m ""
+	$(BIN)/python -m pytest $(PYTEST_FLAGS) -m "not browser"
+
+# Chapter 06 in JupyterLab in a real Chromium, driven by Playwright (tests/browser/). Needs a
+# Chromium on the machine (Debian: `apt install chromium`; CHROMIUM=/path/to/it for another);
+# Playwright never downloads a browser here.
+test-browser: $(STAMP)
+	$(BIN)/python -m pip install --quiet -e ".[browser]"
+	$(BIN)/python -m pytest -m browser tests/browser
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
@@ -46,8 +56,14 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_engine.py
 	$(BIN)/python benchmarks/bench_memory_bound.py
 
+# JupyterLab on the chapters. As root (containers, course VMs) it adds --allow-root; on Linux with
+# no display it opens no browser and prints the URL to open. More flags: LAB_FLAGS="--ip=0.0.0.0
+# --port=8890" (e.g. to reach it from outside a container).
+LAB_FLAGS ?=
+LAB_ROOT := $(if $(filter 0,$(shell id -u 2>/dev/null)),--allow-root)
+LAB_HEADLESS := $(if $(filter Linux,$(shell uname -s)),$(if $(DISPLAY)$(WAYLAND_DISPLAY),,--no-browser))
 lab: $(STAMP)
-	$(BIN)/jupyter lab notebooks/
+	$(BIN)/jupyter lab notebooks/ $(LAB_ROOT) $(LAB_HEADLESS) $(LAB_FLAGS)
 
 # After editing a chapter's .py (or .ipynb): bring its twin up to date, run it offline and store
 # what it prints and draws in the .ipynb, so that it reads without running (a minute or two for

@@ -32,6 +32,7 @@ REQUIRED = [
 ]
 DEV = [
     ("pytest", "pytest"),
+    ("pytest-xdist", "xdist"),
     ("hypothesis", "hypothesis"),
     ("nbmake", "nbmake"),
     ("nbclient", "nbclient"),

@@ -6,10 +6,17 @@ we set it here, before any test module imports ``kernels``, so plain ``pytest`` 
 GPU the kernels compile for real, and the same tests run on it.
 """
 
+import contextlib
 import importlib.util
 import os
 
 import pytest
+
+# `make test` runs pytest-xdist with one worker per core. Each worker, and every process it starts
+# (notebook kernels, the CLI, the grader), keeps to one thread: torch's default of one thread per
+# core in every worker would have them fight over the cores and run slower than one process.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def _has_cuda() -> bool:
@@ -21,6 +28,11 @@ def _has_cuda() -> bool:
 
 
 HAS_CUDA = _has_cuda()
+if os.environ.get("PYTEST_XDIST_WORKER") and os.environ["OMP_NUM_THREADS"] == "1":
+    with contextlib.suppress(ImportError):
+        import torch
+
+        torch.set_num_threads(1)
 
 
 def _has_triton() -> bool:
