@@ -39,3 +39,15 @@ class KernelUnavailableError(PagedLearnError, RuntimeError):
     Triton's interpreter is off. The message says what to do (set ``TRITON_INTERPRET=1``, or use
     the PyTorch reference in :mod:`pagedlearn.attention`).
     """
+
+
+class TraceFileError(PagedLearnError, ValueError):
+    """A recorded trace that cannot be replayed: a JSON file (``EventLog.to_json``) that is not
+    JSON, has a field of the wrong type, a block id outside the pool, frees a sequence that was
+    never added, or is larger than the caps of :mod:`pagedlearn.trace_limits` -- or such an event
+    handed to a replay in memory (``PoolReplay.apply``).
+
+    The message names the first bad event (its index and kind) and what is wrong with it, e.g.
+    ``event 7 (free): frees sequence 'b', which is not in the pool (...)``. A replay that raises
+    it has not applied that event. It is also a ``ValueError``, as a replay's errors were before.
+    """

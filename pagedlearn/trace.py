@@ -40,6 +40,10 @@ holds, step events say how full they are and what tokens they hold, so that a re
 a recorded run exactly as the live view drew it. When
 nobody subscribes, ``emit`` is a single ``if``: the manager pays nothing for the trace it is not
 asked for.
+
+A trace file comes from someone else: :meth:`EventLog.from_json` checks its sizes and shape
+(trace_file.py) and that every event fits the pool (trace_checks.py), and raises
+:class:`~pagedlearn.errors.TraceFileError` naming the first bad event; a log it returns replays.
 """
 
 from __future__ import annotations
@@ -48,6 +52,10 @@ import json
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
+
+from pagedlearn.errors import TraceFileError
+from pagedlearn.trace_checks import check_event, check_pool, check_replay
+from pagedlearn.trace_file import parse_trace
 
 
 @dataclass(frozen=True)
@@ -134,17 +142,24 @@ class EventLog:
         )
 
     @classmethod
-    def from_json(cls, text: str) -> EventLog:
-        data = json.loads(text)
-        log = cls(meta=data.get("meta", {}))
-        log.events = [Event.from_dict(d) for d in data["events"]]
+    def from_json(cls, text: str | bytes) -> EventLog:
+        """Load a trace that anyone may have written: check it all (trace_file.py), replaying
+        it once, and raise :class:`TraceFileError` naming the first bad event."""
+        meta, fields = parse_trace(text)
+        log = cls(meta=meta)
+        log.events = [Event(*f) for f in fields]
+        replay = PoolReplay(meta["num_blocks"], meta.get("num_cpu_blocks"))
+        check_replay(replay, log.events, meta["block_size"])
         return log
 
     def replay(self, upto: int | None = None) -> PoolReplay:
         """The pool as it stood after the first ``upto`` events (all of them by default)."""
         if "num_blocks" not in self.meta:
-            raise ValueError("this log has no meta['num_blocks']; record it with manager.record()")
-        return PoolReplay.from_events(self.meta["num_blocks"], self.events[:upto])
+            raise TraceFileError("this log has no meta['num_blocks']; record it with kv.record()")
+        meta = self.meta
+        return PoolReplay.from_events(
+            meta["num_blocks"], self.events[:upto], meta.get("num_cpu_blocks")
+        )
 
 
 class PoolReplay:
@@ -152,10 +167,15 @@ class PoolReplay:
     of swapped-out sequences (``swapped``: sequence -> CPU block ids).
 
     It knows nothing of the manager's code; if the trace missed an operation, this state would
-    drift from the real one, which is what the tests check.
+    drift from the real one, which is what the tests check. An event that does not fit the pool
+    as it stands (a block outside it, a sequence it never saw, a free of a block no table holds:
+    ``check_event``) raises :class:`TraceFileError` before anything changes. ``num_cpu_blocks``:
+    the CPU pool's size, to check swapped-out tables against (unchecked when None).
     """
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, num_cpu_blocks: int | None = None) -> None:
+        check_pool(num_blocks, num_cpu_blocks)  # before [0] * num_blocks: a file may say 10**12
+        self.num_cpu_blocks = num_cpu_blocks
         self.refcounts = [0] * num_blocks
         self.tables: dict[Hashable, list[int]] = {}
         self.swapped: dict[Hashable, list[int]] = {}  # swapped-out tables: CPU block ids
@@ -167,13 +187,18 @@ class PoolReplay:
         self.step_info: dict[str, Any] = {}
 
     @classmethod
-    def from_events(cls, num_blocks: int, events: Iterable[Event]) -> PoolReplay:
-        state = cls(num_blocks)
+    def from_events(
+        cls, num_blocks: int, events: Iterable[Event], num_cpu_blocks: int | None = None
+    ) -> PoolReplay:
+        state = cls(num_blocks, num_cpu_blocks)
         for event in events:
             state.apply(event)
         return state
 
     def apply(self, e: Event) -> None:
+        """Apply one event, or raise :class:`TraceFileError` (changing nothing) if it does not
+        fit the pool as it stands."""
+        check_event(self, e)
         rc = self.refcounts
         if e.kind in ("allocate", "cache_hit"):
             for b in e.blocks:
@@ -209,14 +234,11 @@ class PoolReplay:
         elif e.kind == "step":
             # Each entry is (sequence, position, tokens): its tokens from that position on. The
             # sequences absent from ``num_tokens`` are gone, and are forgotten here too.
+            # The lists grow in place: a long sequence costs its new tokens per step, not all.
             tokens = {s: self.tokens.get(s, []) for s, _ in e.info["num_tokens"]}
             for s, start, new in e.info["new_tokens"]:
-                if start > len(tokens[s]):
-                    raise ValueError(
-                        f"step event {e.index} sends {s!r}'s tokens from position {start}, but "
-                        f"the replay holds only {len(tokens[s])} of them"
-                    )
-                tokens[s] = tokens[s][:start] + list(new)
+                del tokens[s][start:]
+                tokens[s].extend(new)
             self.tokens = tokens
             self.step_info = {
                 k: v for k, v in e.info.items() if k not in ("num_tokens", "new_tokens")
@@ -224,11 +246,9 @@ class PoolReplay:
         elif e.kind == "cache_store":
             self.cached[e.blocks[0]] = e.info["hash"]
             self.cached_tokens[e.blocks[0]] = list(e.info.get("tokens", ()))
-        elif e.kind == "evict":
-            del self.cached[e.blocks[0]]
+        elif e.kind == "evict":  # a recording that began after an earlier run may evict
+            self.cached.pop(e.blocks[0], None)  # a block cached before it: never seen cached
             self.cached_tokens.pop(e.blocks[0], None)
-        else:  # a kind this replay does not know would silently drift: say so instead
-            raise ValueError(f"PoolReplay cannot apply event kind {e.kind!r}")
 
     @property
     def free_blocks(self) -> list[int]:

@@ -1,7 +1,10 @@
+import json
+
 import pytest
 from helpers import replay_matches
 
 from pagedlearn import KVCacheManager
+from pagedlearn.errors import TraceFileError
 from pagedlearn.trace import Event, EventLog, PoolReplay, Trace
 
 
@@ -94,7 +97,156 @@ def test_preempt_changes_nothing_in_a_replay():
 
 
 def test_replay_refuses_unknown_kinds_and_logs_without_a_pool_size():
-    with pytest.raises(ValueError, match="teleport"):
+    with pytest.raises(TraceFileError, match=r"event 0 \(teleport\): a replay knows the kinds"):
         PoolReplay(2).apply(Event(0, "teleport", (0,), ("a",)))
-    with pytest.raises(ValueError, match="num_blocks"):
+    with pytest.raises(TraceFileError, match="num_blocks"):
         EventLog().replay()
+
+
+# --- trace files from someone else (trace_file.py, trace_checks.py) ----------------------------
+def session() -> str:
+    """A small recorded session (a fork, swaps, a copy-on-write, cached blocks), as JSON."""
+    kv = KVCacheManager(6, 2, enable_prefix_caching=True, num_cpu_blocks=4)
+    log = kv.record()
+    kv.add_sequence("a", [1, 2, 3])  # 0 allocate [0, 1], 1 cache_store
+    kv.mark_step(step=1)  # 2
+    kv.fork("a", "b")  # 3 incref
+    kv.swap_out(["a", "b"])  # 4, 5 swap_out
+    kv.swap_in(["a", "b"])  # 6, 7 swap_in [2, 3]
+    kv.append_token("b", 4)  # 8 cow_copy (3, 4), 9 cache_store
+    kv.free_sequence("b")  # 10 free [4, 2]
+    kv.mark_step(step=2)  # 11
+    return log.to_json()
+
+
+def edited(edit) -> str:
+    data = json.loads(session())
+    edit(data)
+    return json.dumps(data)
+
+
+def test_the_issues_negative_block_id_is_refused_and_changes_nothing():
+    # Before: refcount of block 3 (= -1 of 4) went up and the table held -1.
+    text = json.dumps(
+        {
+            "meta": {"num_blocks": 4, "block_size": 2},
+            "events": [{"index": 0, "kind": "allocate", "blocks": [-1], "seqs": ["a"]}],
+        }
+    )
+    with pytest.raises(TraceFileError, match=r"^events\[0\] \(allocate\): blocks\[0\] is -1"):
+        EventLog.from_json(text)
+    replay = PoolReplay(4)
+    with pytest.raises(TraceFileError, match=r"event 0 \(allocate\): blocks\[0\] is -1"):
+        replay.apply(Event(0, "allocate", (-1,), ("a",)))
+    assert replay.refcounts == [0, 0, 0, 0] and replay.tables == {}
+
+
+def set_(path, value):
+    def edit(data):
+        *where, last = path
+        node = data
+        for key in where:
+            node = node[key]
+        if value is DROP:
+            del node[last]
+        else:
+            node[last] = value
+
+    return edit
+
+
+DROP = object()
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (set_(["events", 3, "seqs"], DROP), r"^events\[3\] \(incref\): has no 'seqs'"),
+        (set_(["events", 3, "kind"], "teleport"), r"^events\[3\] \(teleport\): kind 'teleport'"),
+        (set_(["events", 0, "blocks"], "x"), r"^events\[0\] \(allocate\): blocks is 'x', not a"),
+        (set_(["events", 0, "blocks", 1], 2.0), r"blocks\[1\] is 2.0, not a block id"),
+        (set_(["events", 0, "blocks", 1], 6), r"blocks\[1\] is 6, not a block id of this pool"),
+        (set_(["events", 10, "seqs", 0], None), r"^events\[10\] \(free\): seqs\[0\] is None: an"),
+        (set_(["events", 4, "info"], DROP), r"^events\[4\] \(swap_out\): info.cpu_blocks is mis"),
+        (set_(["events", 4, "info", "cpu_blocks", 0], 4), r"cpu_blocks\[0\] is 4, not a CPU block"),
+        (set_(["events", 5, "index"], 7), r"^events\[5\] \(swap_out\): index is 7, expected 5"),
+        (set_(["events", 3, "seqs", 1], "a"), r"^events\[3\] \(incref\): forks sequence 'a' into"),
+        (set_(["events", 11, "info", "new_tokens"], [["zz", 0, []]]), r"tokens of sequence 'zz'"),
+        (set_(["events", 11, "info", "num_tokens"], {}), r"info.num_tokens is an object"),
+        (set_(["meta", "num_blocks"], 10**12), r"^meta: num_blocks is 1000000000000, above the"),
+        (set_(["meta", "num_blocks"], True), r"^meta: num_blocks is True, not an int"),
+        (set_(["meta", "block_size"], DROP), r"^meta: block_size is missing"),
+        (set_(["meta"], DROP), r"^a trace is an object"),
+        (set_(["events"], {"0": {}}), r"^events is an object with 1 keys, not a list"),
+    ],
+)  # fmt: skip
+def test_a_malformed_file_names_its_first_bad_event(edit, message):
+    with pytest.raises(TraceFileError, match=message):
+        EventLog.from_json(edited(edit))
+
+
+def double_free(data):  # event 10 twice, numbered as the 11th
+    data["events"].insert(11, {**data["events"][10], "index": 11})
+    data["events"][12]["index"] = 12
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (double_free, r"^event 11 \(free\): frees sequence 'b', which is not in the pool"),
+        (set_(["events", 3, "seqs", 0], "zz"), r"^event 3 \(incref\): forks sequence 'zz', which"),
+        (set_(["events", 6, "blocks", 0], 3), r"^event 6 \(swap_in\): names a block twice"),
+        (set_(["events", 6, "seqs", 0], "zz"), r"^event 6 \(swap_in\): swaps in sequence 'zz'"),
+        (set_(["events", 7, "info", "cpu_blocks", 0], 3), r"^event 7 \(swap_in\): swaps in seq"),
+        (set_(["events", 8, "blocks", 1], 2), r"^event 8 \(cow_copy\): takes block 2, which is in"),
+        (set_(["events", 8, "blocks", 0], 2), r"^event 8 \(cow_copy\): copies block 2, which is"),
+        (set_(["events", 10, "blocks"], [4]), r"^event 10 \(free\): names blocks \[4\], not the"),
+        (set_(["events", 11, "info", "num_tokens", 0, 1], 4), r"^event 11 \(step\): says seq"),
+        (set_(["events", 11, "info", "new_tokens"], [["a", 9, [5]]]), r"holds only 3 of them"),
+        (set_(["events", 0, "kind"], "free"), r"^event 0 \(free\): frees sequence 'a', which is"),
+    ],
+)  # fmt: skip
+def test_a_file_that_does_not_fit_its_pool_names_the_event_at_load(edit, message):
+    with pytest.raises(TraceFileError, match=message):
+        EventLog.from_json(edited(edit))
+
+
+def test_recorded_files_load_as_they_were_written():
+    text = session()
+    assert EventLog.from_json(text).to_json() == text
+    assert EventLog.from_json(text.encode()).events == EventLog.from_json(text).events  # bytes
+    with pytest.raises(TraceFileError, match="got NoneType"):
+        EventLog.from_json(None)
+    with pytest.raises(TraceFileError, match="not valid JSON"):
+        EventLog.from_json(text[:-2])
+
+
+def test_a_recording_begun_after_an_earlier_run_evicts_what_that_run_cached():
+    kv = KVCacheManager(4, 2, enable_prefix_caching=True)
+    kv.add_sequence("old", [1, 2, 3, 4])
+    kv.free_sequence("old")  # its two full blocks stay cached
+    log = kv.record()
+    kv.add_sequence("new", [5, 6, 7, 8, 9, 10, 11, 12])  # takes all four blocks: evicts two
+    assert [e.kind for e in log.events].count("evict") == 2
+    replay = EventLog.from_json(log.to_json()).replay()
+    assert replay.tables == {"new": kv.block_table("new")} and replay.refcounts == [1] * 4
+
+
+def test_the_caps_are_read_at_each_load(monkeypatch):
+    import pagedlearn.trace_limits as limits
+
+    text = session()
+    monkeypatch.setattr(limits, "MAX_NUM_BLOCKS", 5)
+    with pytest.raises(TraceFileError, match="num_blocks is 6, above the cap MAX_NUM_BLOCKS = 5"):
+        EventLog.from_json(text)
+    monkeypatch.setattr(limits, "MAX_NUM_BLOCKS", 6)
+    monkeypatch.setattr(limits, "MAX_FRAME_CELLS", 12)  # two frames of 6 blocks, and more
+    with pytest.raises(TraceFileError, match=r"event 11 \(step\): drawing every step up to"):
+        EventLog.from_json(text)
+    monkeypatch.setattr(limits, "MAX_FRAME_CELLS", 2**21)
+    monkeypatch.setattr(limits, "MAX_EVENTS", 10)
+    with pytest.raises(TraceFileError, match="12 events, above the cap MAX_EVENTS = 10"):
+        EventLog.from_json(text)
+    monkeypatch.setattr(limits, "MAX_TRACE_CHARS", 100)
+    with pytest.raises(TraceFileError, match="above the cap MAX_TRACE_CHARS = 100"):
+        EventLog.from_json(text)
