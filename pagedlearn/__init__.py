@@ -3,7 +3,8 @@
 Read in this order: ``block_allocator`` (physical blocks, refcounts, free queue), ``block_table``
 (logical -> physical, slots), ``prefix_cache`` (hash chain over full blocks), ``kv_cache_manager``
 (all of it together: add / append / fork with copy-on-write / free), ``swap`` (preemption by swap:
-a request's blocks to a CPU pool and back), ``trace`` (every block event).
+a request's blocks to a CPU pool and back), ``trace`` (every block event; ``trace_file`` checks
+a trace file someone else wrote).
 
 Then ``engine`` (``LLM``, ``SamplingParams``: a model generating from the paged cache) and
 ``models`` (plugging the cache into Hugging Face GPT-2 / OPT).
@@ -13,7 +14,7 @@ imported by the parts that need them (``LLM`` and friends are looked up on first
 """
 
 from pagedlearn.block_allocator import BlockAllocator
-from pagedlearn.errors import OutOfBlocksError, PagedLearnError
+from pagedlearn.errors import OutOfBlocksError, PagedLearnError, TraceFileError
 from pagedlearn.kv_cache_manager import KVCacheManager
 
 __version__ = "0.1.0"
@@ -25,6 +26,7 @@ __all__ = [
     "KVCacheManager",
     "OutOfBlocksError",
     "PagedLearnError",
+    "TraceFileError",
     *_ENGINE_NAMES,
 ]
 
