@@ -54,7 +54,12 @@ env = setup()
 # be partly empty.
 #
 # `kv.record()` starts recording every block event, so that we can replay this whole session at
-# the end; `kv.mark_step(step=...)` after each operation marks a frame of that replay.
+# the end; `kv.mark_step(step=...)` after each operation marks a frame of that replay, numbered
+# like an engine's steps: step 1 is the first operation (every picture and the replay name a
+# frame by its step). `Palette.follow(kv)` watches those frames and gives each request a colour
+# when it first appears, one that no request in the pool holds, so a request keeps its colour
+# in every picture -- and the replay at the end, which runs the same rule over the same frames,
+# agrees.
 
 # %%
 from pagedlearn import BlockAllocator, KVCacheManager, OutOfBlocksError, PagedLearnError
@@ -62,16 +67,15 @@ from pagedlearn.viz import Palette, draw_block_pool, draw_block_tables
 
 kv = KVCacheManager(num_blocks=12, block_size=4)
 log = kv.record()
-palette = Palette()  # one palette for every picture: a request keeps its colour
-palette.assign(["R"])  # R, the request we follow (it arrives later), gets the first colour
-frame = 0
+palette = Palette.follow(kv)  # the colours of this session's frames, for every picture
+step = 0
 
 
 def mark():
-    """End a frame of the recorded session (for the replay at the end)."""
-    global frame
-    frame += 1
-    kv.mark_step(step=frame)
+    """End a step of the recorded session: a frame of the replay at the end."""
+    global step
+    step += 1
+    kv.mark_step(step=step)
 
 
 prompt_lens = {"A": 8, "B": 3, "C": 16, "D": 2, "E": 12, "F": 4}
@@ -120,7 +124,8 @@ print("free queue (next allocation first):", kv.allocator.free_queue())
 # %%
 kv.add_sequence("R", list(range(101, 113)))
 mark()
-r_frame = frame - 1  # the replay at the end numbers its frames from 0
+r_step = step  # the step R arrived in: we come back to it in the replay
+print(f"step {r_step}: R arrived")
 table, bs = kv.block_table("R"), kv.block_size
 print("R's block table:", table)
 print("R's slot mapping:", kv.slot_mapping("R"))
@@ -226,7 +231,7 @@ except PagedLearnError as e:
 #
 # Everything above was recorded as block events (`allocate`, `free`, ...) plus a `step` frame per
 # operation. `ReplayView` rebuilds the pool from the events alone -- no manager -- and lets you
-# scrub through the frames with the slider. `log.to_json()` is the same session as a file a lab
+# scrub through the steps with the slider. `log.to_json()` is the same session as a file a lab
 # can hand out.
 
 # %%
@@ -239,15 +244,16 @@ replay = ReplayView(log)
 display(replay)
 
 # %% [markdown]
-# The widget needs a live kernel. From code, `replay.show(frame)` jumps to a frame and
-# `replay.state` is the pool there, rebuilt from events only: here the frame where R arrived.
+# The widget needs a live kernel. Its slider is named by step, like the frames we marked; beside
+# the picture it lists the sequences in the pool with their colours. From code,
+# `replay.show_step(s)` jumps to step `s` and `replay.state` is the pool there, rebuilt from
+# events only: here the step where R arrived. The figure drawn from it has the replay's colours
+# -- the same as the pictures above.
 
 # %%
-replay.show(r_frame)
-print(f"frame {r_frame}: R's replayed block table {replay.state.tables['R']}")
-draw_block_pool(
-    replay.state, palette=palette, title=f"Replayed from the event log: frame {r_frame}"
-)
+replay.show_step(r_step)
+print(f"step {r_step}: R's replayed block table {replay.state.tables['R']}")
+draw_block_pool(replay.state, title=f"Replayed from the event log: step {r_step}")
 
 # %% [markdown]
 # ## The block-size trade-off

@@ -206,12 +206,15 @@ llm = LLM(gpt2, block_size=BLOCK_SIZE, num_blocks=num_blocks)  # prints the pool
 # height how many of its `BLOCK_SIZE` slots hold K/V, a hatched block with `x2`/`x3` is shared by
 # that many block tables (its refcount), light grey is *free but cached* (its K/V can still be
 # found by its block hash), white is empty. Below the picture: the queues (running, waiting,
-# swapped), the counters, the request list with the blocks each holds, and a block inspector
-# (click a block).
+# swapped), the counters, the request list -- the picture's legend: each request's colour and
+# the blocks it holds; a finished request's square turns hollow grey, its colour is free for
+# a newcomer -- and a block inspector (click a block).
 #
-# In Jupyter, press **Play** (the delay slider sets the speed) or **Step**. Here we drive it
-# from code with `view.run(max_steps=...)` (and `view.run()` to the end), which is what runs
-# when this notebook is executed headless. We also record the run, to look at it afterwards.
+# Below, the cells drive it from code with `view.run(max_steps=...)` (and `view.run()` to the
+# end), which is what runs when this notebook is executed headless; each request gets its colour
+# when it arrives, one that no request on screen holds. We also record the run, to look at it
+# afterwards. Once the cells have run, every request has finished, so **Play** (and **Step**)
+# have nothing left to do and say so: "Play it yourself", after the run, adds requests for them.
 
 # %%
 from IPython.display import display
@@ -288,14 +291,32 @@ print(engine.stats().summary())
 engine.kv.check_invariants()
 
 # %% [markdown]
+# **Play it yourself.** The run is over: the live view above shows the finished pool, and its
+# **Play** button only says that there is nothing to run. Give it work: run this in a new cell
+# (it sends the same seven requests again, as `chat-1-again`, `short-again`, ...; the second
+# line shows the live view again, right under the cell),
+#
+# ```python
+# for name, prompt, p in stream: engine.add_request(f"{name}-again", prompt, p)
+# view
+# ```
+#
+# then press **Play** (the `delay (s)` slider sets the pace; **Pause** stops after the current
+# step, **Step** runs one). The newcomers arrive all at once, into a pool half the size they
+# need: watch the prefix-cache hits on blocks the first run left cached, and the preemptions.
+# Requests still running after that are part of `log` too, so the cells below, rerun, include
+# them.
+# %% [markdown]
 # ## Where to look
 #
-# The recording holds every block event and one frame per step (the abort added one more), so
-# we can find when each thing first happened: the frames to scrub to in a replay (or the steps
-# to step to live). The names on the right are sequences, `<request>.<i>`.
+# The recording holds every block event and one frame per step (the abort added a frame of its
+# own after its step), so we can find when each thing first happened: the steps to scrub to in
+# a replay, or to step to live. Every picture and widget names a frame by its step (the
+# engine's step counter, `step_label` below). The names on the right are sequences,
+# `<request>.<i>`.
 
 # %%
-from pagedlearn.viz import replay_states
+from pagedlearn.viz import replay_states, step_label
 
 WATCH = {
     "allocate": "blocks allocated",
@@ -307,20 +328,21 @@ WATCH = {
     "evict": "a cached block evicted for new data",
 }
 frames = replay_states(log)  # (event index, PoolState) per frame
-first, frame = {}, 0
+first, frame = {}, 0  # kind -> (the frame it shows up in, its first event)
 for e in log.events:
     if e.kind == "step":
-        frame += 1
+        frame += 1  # the events before a step event are drawn in that step's frame
     elif e.kind in WATCH and e.kind not in first:
         first[e.kind] = (frame, e)
 for kind, (f, e) in sorted(first.items(), key=lambda kv: kv[1][0]):
     who = ", ".join(map(str, e.seqs))
-    print(f"frame {f:>3} (step {frames[f][1].step:>3}): {WATCH[kind]:<52} {who}")
+    print(f"{step_label(frames[f][1]):<8} {WATCH[kind]:<52} {who}")
 print(f"{len(frames)} frames, {len(log.events)} events")
 
 # %% [markdown]
-# Two frames, drawn from the recording: the moment the pool held the most requests at once
-# (the busiest batch), and the frame of the first preemption.
+# Two steps, drawn from the recording: the moment the pool held the most requests at once
+# (the busiest batch), and the step of the first preemption. A request has the colour the live
+# view gave it: the colours are the run's, carried by the replayed frames.
 
 # %%
 from pagedlearn.viz import draw_block_pool
@@ -333,14 +355,15 @@ def requests_in_pool(state):
 busiest = max(range(len(frames)), key=lambda i: (requests_in_pool(frames[i][1]),
                                                  frames[i][1].count("shared")))  # fmt: skip
 state = frames[busiest][1]
-draw_block_pool(state, title=f"frame {busiest}: {requests_in_pool(state)} requests in the pool, "
-                f"{state.count('shared')} blocks shared")  # fmt: skip
+draw_block_pool(state, title=f"{step_label(state)}: {requests_in_pool(state)} requests in the "
+                f"pool, {state.count('shared')} blocks shared")  # fmt: skip
 
 # %%
 if "preempt" in first:
     f, e = first["preempt"]
     state = frames[f][1]
-    title = f"frame {f}: request {state.group_of(e.seqs[0])} preempted ({e.info['mode']})"
+    who = state.group_of(e.seqs[0])
+    title = f"{step_label(state)}: request {who} preempted ({e.info['mode']})"
     display(draw_block_pool(state, title=title))
 else:
     print("no preemption in this run: try a smaller num_blocks")
@@ -412,16 +435,18 @@ print(f"{replay.num_frames} frames")
 display(replay)
 
 # %% [markdown]
-# From code, `replay.show(frame)` jumps to a frame, and `replay.state` / `replay.inspect(block)`
-# read it. Here: the frame with the most shared blocks, and what its first shared block holds.
+# From code, `replay.show_step(s)` jumps to step `s` (`replay.show(i)` to the `i`-th frame of
+# `replay.frames`), and `replay.state` / `replay.inspect(block)` read it. Here: the step with
+# the most shared blocks, and what its first shared block holds, drawn in the colours the
+# widget shows.
 
 # %%
 most = max(range(replay.num_frames), key=lambda i: replay.frames[i].count("shared"))
 replay.show(most)
 shared = [b.block_id for b in replay.state.blocks if b.kind == "shared"]
-print(f"frame {most} (step {replay.state.step}): shared blocks {shared}")
+print(f"{step_label(replay.state)}: shared blocks {shared}")
 print(replay.inspect(shared[0]) if shared else "no shared block")
-draw_block_pool(replay.state, title=f"OPT run, replayed from JSON: frame {most}")
+draw_block_pool(replay.state, title=f"OPT run, replayed from JSON: {step_label(replay.state)}")
 
 # %% [markdown]
 # ## Check yourself
@@ -470,9 +495,9 @@ print(f"(question 1, request-level: step {start[batch_of['chat-2']] + 1})")
 #
 # 1. Make the pool bigger (`num_blocks = 2 * num_blocks`) and run again: does anything get
 #    preempted? Then make it as small as `add_request` allows: what happens to `long`?
-# 2. Set `enable_prefix_caching=False` in `LLM(...)`. Which frames in "Where to look" disappear,
+# 2. Set `enable_prefix_caching=False` in `LLM(...)`. Which lines of "Where to look" disappear,
 #    and how many blocks does `chat-2` take now?
 # 3. Rerun with `preemption_mode="swap"`: find the `swapped` queue in the view, and the
 #    requests that hold blocks "on CPU".
 # 4. Save the GPT-2 run's `log` as JSON too and give it to a neighbour: open it with
-#    `ReplayView(path)` and find the frame where `chat-2` hit `chat-1`'s system prompt.
+#    `ReplayView(path)` and find the step where `chat-2` hit `chat-1`'s system prompt.

@@ -47,7 +47,7 @@ def recorded(llm):
         assert view.image.value != before  # the picture changes with every step
         state = view.state
         assert state.blocks == pool_state(engine.kv).blocks  # the view shows the engine now
-        colors = [block_color(b, state.group_of, view.palette) for b in state.blocks]
+        colors = [block_color(b, state.group_of, state.colors) for b in state.blocks]
         assert view.artist.face_colors() == colors
         frames.append(
             dict(
@@ -86,7 +86,7 @@ def test_replay_shows_what_the_live_view_showed(recorded):
     replay = ReplayView(log)
     assert replay.num_frames == len(frames)
     for k in [*range(len(frames)), 0, len(frames) - 1, 1]:  # forward, then jumps back and forth
-        replay.slider.value = k
+        replay.slider.index = k
         f = frames[k]
         assert replay.state == f["state"]
         assert replay.artist.drawn() == f["drawn"], f"frame {k}"
@@ -94,7 +94,7 @@ def test_replay_shows_what_the_live_view_showed(recorded):
         assert replay.requests.value == f["requests"]
         assert np.array_equal(pixels(replay.image.value), pixels(f["png"]))
     replay.show(2)
-    assert replay.slider.value == 2 and replay.frame == 2
+    assert replay.slider.index == 2 and replay.frame == 2
     with pytest.raises(ValueError, match="out of range"):
         replay.show(len(frames))
 
@@ -106,7 +106,7 @@ def test_replay_from_json_text_and_file(recorded, tmp_path):
     path.write_text(text)
     for source in (text, path, str(path)):
         replay = ReplayView(source)
-        replay.slider.value = len(frames) - 1
+        replay.slider.index = len(frames) - 1
         assert replay.artist.drawn() == frames[-1]["drawn"]
     assert "token ids" not in replay.inspect(0)  # no tokenizer: ids only
     with pytest.raises(FileNotFoundError, match="no trace file"):
@@ -207,7 +207,7 @@ def test_large_pool_uses_a_block_box():
     kv.mark_step()
     replay = ReplayView(log)
     assert replay.block_buttons == [] and replay.num_frames == 2
-    replay.slider.value = 1
+    replay.slider.index = 1
     replay.block_box.value = 1
     assert "refcount: 2" in replay.details.value and "tokens: 4 5 6 7" in replay.details.value
 
@@ -230,3 +230,81 @@ def test_a_reader_without_a_kernel_sees_the_picture(llm):
         view.close()
         while llm.engine.has_unfinished_requests():
             llm.engine.step()
+
+
+def test_play_with_nothing_to_run_says_how_to_add_requests(llm):
+    """After Run All every request is done: Play must say what to do, then play what is added."""
+    engine = llm.engine
+    view = LiveBlockView(llm, delay=0)
+    try:
+        assert not engine.has_unfinished_requests()
+        view.play_button.click()
+        assert "Nothing to run" in view.error.value and "add_request(" in view.error.value
+        assert view._task is None and view.play_button.disabled is False
+        before = view.image.value
+        engine.add_request("more", "Once upon a time")  # the one-liner the message gives
+
+        async def play():
+            view.play_button.click()
+            await view._task
+
+        asyncio.run(play())
+        assert view.image.value != before and "Done at step" in view.error.value
+        assert view.play_button.description == "Play"
+        assert "every request" in view.play_button.tooltip
+    finally:
+        view.close()
+
+
+def test_frames_are_named_by_their_step_everywhere(llm):
+    """One numbering rule: the replay's slider, its stats line, a figure of the frame and the
+    live view's stats line all name a frame by its engine step; an abort's frame says so."""
+    import re
+
+    from pagedlearn.viz import draw_block_pool
+
+    engine = llm.engine
+    log = engine.record()
+    view = LiveBlockView(llm, delay=0)
+    live = []
+    engine.kv.trace.subscribe(lambda e: e.kind == "step" and live.append(view.stats.value))
+    add_requests(engine, "n")
+    view.run(max_steps=2)
+    engine.abort_request("nc")
+    view.run()
+    log.close()
+    view.close()
+    replay = ReplayView(log)
+    steps = [s.step for s in replay.frames]
+    assert steps[:3] == [steps[0], steps[0] + 1, steps[0] + 1]  # step, step, its abort frame
+    for i, state in enumerate(replay.frames):
+        replay.show(i)
+        label = re.match(r"<b>(step \d+[^<]*)</b>", replay.stats.value).group(1)
+        assert label == re.match(r"<b>(step \d+[^<]*)</b>", live[i]).group(1)
+        assert replay.slider.label == label.removeprefix("step ").replace(": nc", "")
+        title = draw_block_pool(state).axes[0].get_title()
+        assert title.startswith(f"KV block pool, {label}:"), title
+    assert replay.slider.options[2][0] == f"{steps[2]} (abort)"
+    replay.show_step(steps[1])
+    assert replay.frame == 1
+    with pytest.raises(ValueError, match="no frame of step 999"):
+        replay.show_step(999)
+
+
+def test_the_views_fit_a_notebook_column(llm):
+    """The block buttons wrap (none is cut off on the right), the panels wrap under each other,
+    and the picture is the grid and its title: no band kept empty for a legend."""
+    view = LiveBlockView(llm, delay=0)
+    try:
+        picker = view.inspector.children[1]
+        assert picker.layout.flex_flow == "row wrap" and len(picker.children) == 24
+        panels = view.widget.children[-1]
+        assert panels.children == (view.requests, view.inspector)
+        assert panels.layout.flex_flow == "row wrap"
+        assert view.artist.ax.get_legend() is None
+        rows = view.artist.rows
+        assert view.figure.get_size_inches()[1] == pytest.approx(rows * 0.62 + 0.6)
+        img = Image.open(io.BytesIO(view.image.value))
+        assert img.size[1] == round((rows * 0.62 + 0.6) * DPI)
+    finally:
+        view.close()

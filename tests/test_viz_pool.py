@@ -94,21 +94,21 @@ def test_cached_free_is_shaded_apart_from_empty_and_mixed_owners_are_grey(kv):
     assert CACHED_COLOR != FREE_COLOR and CACHED_COLOR not in OKABE_ITO
 
 
-def test_palette_is_stable_colour_blind_safe_and_cycles():
-    p = Palette()
-    first = [p.color(g) for g in ["x", "y", "z"]]
-    assert first == [to_hex(c) for c in OKABE_ITO[:3]]
-    assert p.color("y") == first[1]  # stable
-    more = [p.color(i) for i in range(len(OKABE_ITO) - 3)]
-    assert len(set(first + more)) == len(OKABE_ITO)  # no reuse before all are taken
-    assert p.color("ninth") == first[0]  # then it cycles
-    assert p.groups[:3] == ["x", "y", "z"]
-    with pytest.raises(ValueError):
-        Palette(["not-a-colour"])
-    with pytest.raises(ValueError):
-        Palette([])
-    with pytest.raises(TypeError, match="hashable"):
-        p.color(["a", "list"])
+def test_a_shared_palette_keeps_colours_across_drawings(kv):
+    """A palette passed to several drawings of a live manager observes each: a request keeps
+    its colour, and a newcomer never takes a colour on screen (tests/test_viz_colors.py has the
+    rule in full)."""
+    palette = Palette()
+    first = draw_block_pool(kv, palette=palette)
+    kv.free_sequence("a.0")
+    kv.free_sequence("a.1")
+    kv.add_sequence("z.0", [90, 91])
+    second = draw_block_pool(kv, palette=palette)
+    color = {f: {p.get_gid(): to_hex(p.get_facecolor()) for p in f.axes[0].patches} for f in
+             (first, second)}  # fmt: skip
+    b = palette.visible["b"]
+    assert color[first]["fill 3"] == color[second]["fill 3"] == b
+    assert palette.visible["z"] not in (b, to_hex(OKABE_ITO[0]))  # not b's, nor a's just freed
 
 
 def test_fonts_are_at_least_10pt(kv):

@@ -1,11 +1,13 @@
 """Pictures of the paged KV cache, drawn from the real state -- never from a mock.
 
 Read in this order: ``state`` (one frozen ``PoolState`` per moment, from a live manager / engine
-or from a recorded trace), ``style`` (the colour-blind-safe palette), ``pool`` (the physical
-blocks as a grid), ``tables`` (block tables pointing into the pool, the paper's Figures 6-7),
-``timeline`` (blocks and queues over steps), ``fragmentation`` (reservation vs paging, the
-paper's Figure 2), ``live`` (the ipywidgets dashboard that follows a running engine, and the
-replay view that scrubs through a recorded run).
+or from a recorded trace), ``colors`` (which request gets which colour: one assignment per run,
+never one colour for two requests on screen together), ``style`` (fixed looks, fonts), ``pool``
+(the physical blocks as a grid), ``tables`` (block tables pointing into the pool, the paper's
+Figures 6-7), ``timeline`` (blocks and queues over steps), ``fragmentation`` (reservation vs
+paging, the paper's Figure 2), ``panels`` and ``view`` (the text panels and the widget layout
+both dashboards share), ``live`` (the ipywidgets dashboard that follows a running engine) and
+``replay`` (the view that scrubs through a recorded run).
 
 Every ``draw_*`` function returns a matplotlib ``Figure`` (no pyplot: nothing global changes).
 The names are looked up on first use, so ``import pagedlearn.viz`` loads neither matplotlib nor
@@ -20,7 +22,8 @@ _NAMES = {
     "RequestState": "state",
     "pool_state": "state",
     "replay_states": "state",
-    "Palette": "style",
+    "step_label": "state",
+    "Palette": "colors",
     "PoolArtist": "pool",
     "draw_block_pool": "pool",
     "draw_block_tables": "tables",
@@ -30,7 +33,7 @@ _NAMES = {
     "draw_fragmentation": "fragmentation",
     "draw_reservation_vs_paging": "fragmentation",
     "LiveBlockView": "live",
-    "ReplayView": "live",
+    "ReplayView": "replay",
 }
 
 __all__ = sorted(_NAMES)

@@ -10,10 +10,17 @@ import html
 from dataclasses import replace
 
 from pagedlearn.viz.pool import token_text
-from pagedlearn.viz.state import PoolState, RequestState
-from pagedlearn.viz.style import Palette
+from pagedlearn.viz.state import PoolState, RequestState, step_label
+from pagedlearn.viz.style import (
+    CACHED_COLOR,
+    FREE_COLOR,
+    MIXED_COLOR,
+    OUTLINE_COLOR,
+)
 
 MAX_FINISHED_ROWS = 20
+# nowrap (inherited by every cell): a request name never breaks mid-word
+TABLE = "margin-right:2em;white-space:nowrap;border-spacing:10px 1px"
 
 
 class RequestBook:
@@ -71,7 +78,8 @@ def inspect_block(state: PoolState, block_id: int, tokenizer=None) -> str:
 def stats_html(state: PoolState) -> str:
     """One line of numbers for a frame (the engine's stats when the state has them)."""
     used = state.count("used") + state.count("shared")
-    parts = [] if state.step is None else [f"<b>step {state.step}</b>"]
+    label = step_label(state)
+    parts = [] if label is None else [f"<b>{html.escape(label)}</b>"]
     parts.append(
         f"blocks: {used} used ({state.count('shared')} shared), {state.count('cached')} "
         f"cached, {state.count('free')} free of {state.num_blocks}"
@@ -88,8 +96,49 @@ def stats_html(state: PoolState) -> str:
     return " &middot; ".join(parts)
 
 
-def requests_html(state: PoolState, finished: list[RequestState], palette: Palette) -> str:
-    """The request list: live requests as the state lists them, then those finished so far."""
+def swatch(color: str | None) -> str:
+    """A coloured square (a request's colour); a hollow grey one for ``None``."""
+    if color is None:
+        return f"<span style='color:{OUTLINE_COLOR}'>&#9633;</span>"
+    return f"<span style='color:{color}'>&#9632;</span>"
+
+
+def key_html() -> str:
+    """What the uncoloured looks mean (the live views' picture has no legend of its own: the
+    request list beside it gives each request's colour)."""
+
+    def box(fill: str, label: str, hatch: bool = False) -> str:
+        bg = f"repeating-linear-gradient(135deg,#000 0 1px,{fill} 1px 4px)" if hatch else fill
+        return (
+            f"<span style='display:inline-block;width:12px;height:12px;margin:0 3px 0 10px;"
+            f"vertical-align:middle;background:{bg};border:1px solid {OUTLINE_COLOR}'></span>"
+            f"{label}"
+        )
+
+    return (
+        "<span style='white-space:nowrap'>"
+        + "".join(
+            [
+                box(MIXED_COLOR, "several requests"),
+                box("#ffffff", "shared (x = refcount)", hatch=True),
+                box(CACHED_COLOR, "free, cached"),
+                box(FREE_COLOR, "free"),
+            ]
+        )
+        + "</span>"
+    )
+
+
+def requests_html(state: PoolState, finished: list[RequestState], palette=None) -> str:
+    """The request list: live requests as the state lists them (in their colour), then those
+    finished so far (hollow grey: they hold no colour any more, it may be a newcomer's now). A
+    manager driven by hand has no requests: then its sequences, grouped as the pictures colour
+    them. Colours: ``state.colors``; a state without them is coloured by ``palette`` (a
+    :class:`~pagedlearn.viz.colors.Palette`, which observes it), else shows hollow squares."""
+    if not state.colors and palette is not None:
+        state = palette.paint(state)
+    if not state.requests and not finished:
+        return _sequences_html(state)
     live = [r for r in state.requests if r.status != "finished"]
     cut = max(0, len(finished) - MAX_FINISHED_ROWS)
     rows = []
@@ -98,19 +147,47 @@ def requests_html(state: PoolState, finished: list[RequestState], palette: Palet
         cpu = sum(len(state.swapped.get(s, ())) for s in r.seqs)
         held = f"{len(gpu)}" + (f" (+{cpu} on CPU)" if cpu else "")
         done = r.status == "finished"
-        color = palette.color(r.request_id)
-        cells = [
-            f"<span style='color:{color}'>&#9632;</span> {html.escape(str(r.request_id))}",
-            r.status + (f" ({html.escape(str(r.finish_reason))})" if done else ""),
-            html.escape(", ".join(map(str, r.seqs))),
-            str(r.prompt_tokens or "-"),
-            "-" if done and not r.output_tokens else str(r.output_tokens),
-            "-" if done else held,
-        ]
-        rows.append("<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
-    head = "".join(
-        f"<th>{h}</th>" for h in ("request", "status", "seqs", "prompt", "output", "blocks")
-    )
+        color = None if done else state.colors.get(r.request_id)
+        rows.append(
+            [
+                f"{swatch(color)} {html.escape(str(r.request_id))}",
+                r.status + (f" ({html.escape(str(r.finish_reason))})" if done else ""),
+                html.escape(", ".join(map(str, r.seqs))),
+                str(r.prompt_tokens or "-"),
+                "-" if done and not r.output_tokens else str(r.output_tokens),
+                "-" if done else held,
+            ]
+        )
     more = f"<p><i>{cut} earlier finished requests not listed</i></p>" if cut else ""
-    body = "".join(rows) or "<tr><td colspan=6><i>no requests</i></td></tr>"
-    return f"<table style='margin-right:2em'><tr>{head}</tr>{body}</table>{more}"
+    head = ("request", "status", "seqs", "prompt", "output", "blocks")
+    return _table(head, rows, "no requests") + more
+
+
+def _sequences_html(state: PoolState) -> str:
+    groups: dict = {}
+    for s in (*state.tables, *state.swapped):
+        groups.setdefault(state.group_of(s), []).append(s)
+    alone = all(seqs == [g] for g, seqs in groups.items())  # no forks: one column is enough
+    rows = []
+    for g, seqs in groups.items():
+        gpu = {b for s in seqs for b in state.tables.get(s, ())}
+        cpu = sum(len(state.swapped.get(s, ())) for s in seqs)
+        swapped = all(s in state.swapped for s in seqs)
+        row = [
+            f"{swatch(state.colors.get(g))} {html.escape(str(g))}",
+            "swapped out" if swapped else "in the pool",
+            html.escape(", ".join(map(str, seqs))),
+            str(max(state.num_tokens.get(s, 0) for s in seqs)),
+            f"{len(gpu)}" + (f" (+{cpu} on CPU)" if cpu else ""),
+        ]
+        rows.append(row[:2] + row[3:] if alone else row)
+    head = ("sequence", "status", "tokens", "blocks") if alone else (
+        "request", "status", "seqs", "tokens", "blocks")  # fmt: skip
+    return _table(head, rows, "no sequences in the pool")
+
+
+def _table(head: tuple[str, ...], rows: list[list[str]], empty: str) -> str:
+    th = "".join(f"<th style='text-align:left'>{h}</th>" for h in head)
+    body = "".join("<tr>" + "".join(f"<td>{c}</td>" for c in row) + "</tr>" for row in rows)
+    body = body or f"<tr><td colspan={len(head)}><i>{empty}</i></td></tr>"
+    return f"<table style='{TABLE}'><tr>{th}</tr>{body}</table>"

@@ -16,13 +16,11 @@ one-call static version.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
-
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 
-from pagedlearn.viz.state import PoolState, pool_state
+from pagedlearn.viz.state import PoolState, groups_in_order, pool_state, step_label
 from pagedlearn.viz.style import (
     CACHED_COLOR,
     FREE_COLOR,
@@ -37,22 +35,7 @@ from pagedlearn.viz.style import (
 
 PAD = 0.06  # gap around a cell, in cell widths
 MAX_LEGEND_GROUPS = 10
-
-
-def groups_in_order(state: PoolState) -> list[Hashable]:
-    """The groups (requests) of ``state`` in the order a :class:`Palette` should meet them:
-    its requests as listed (running, swapped, waiting, finished), then owners of blocks by block
-    id, then swapped sequences. Depends only on the state's values, so that a live run and its
-    replay hand out the same colours."""
-    seen: dict[Hashable, None] = {}
-    for r in state.requests:
-        seen.setdefault(r.request_id)
-    for b in state.blocks:
-        for g in sorted({state.group_of(s) for s in b.owners}, key=repr):
-            seen.setdefault(g)
-    for s in sorted(state.swapped, key=repr):
-        seen.setdefault(state.group_of(s))
-    return list(seen)
+__all__ = ["PoolArtist", "draw_block_pool", "groups_in_order", "pool_figure", "token_text"]
 
 
 def token_text(token_ids, tokenizer=None) -> str:
@@ -67,9 +50,11 @@ def token_text(token_ids, tokenizer=None) -> str:
 class PoolArtist:
     """The pool grid on ``ax``: build once, then :meth:`update` with each new state.
 
-    ``per_row``: blocks per row (default: up to 16). ``palette``: share one to keep request
-    colours consistent across drawings. ``show_tokens``: also print the first characters of
-    each block's tokens (decoded with ``tokenizer``, else ids) -- for small pools.
+    ``per_row``: blocks per row (default: up to 16). Colours come from the state
+    (``state.colors``, see :mod:`pagedlearn.viz.colors`); ``palette`` colours the states that
+    carry none (a live manager's), and observes them. ``show_tokens``: also print the first
+    characters of each block's tokens (decoded with ``tokenizer``, else ids) -- for small pools.
+    ``legend``: draw the legend right of the grid (the live views list requests beside it).
 
     After an update, :meth:`face_colors`, :meth:`fill_fractions`, :meth:`hatches` and
     :meth:`labels` say what is drawn for each block (tests compare them with the state).
@@ -85,6 +70,7 @@ class PoolArtist:
         palette: Palette | None = None,
         show_tokens: bool = False,
         tokenizer=None,
+        legend: bool = True,
     ) -> None:
         for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -97,7 +83,7 @@ class PoolArtist:
         self.ax, self.num_blocks, self.block_size = ax, num_blocks, block_size
         self.per_row = per_row
         self.palette = palette if palette is not None else Palette()
-        self.show_tokens, self.tokenizer = show_tokens, tokenizer
+        self.show_tokens, self.tokenizer, self.legend = show_tokens, tokenizer, legend
         self.title: str | None = None  # None: a title that counts the blocks of each kind
         self.state: PoolState | None = None
         self.rows = -(-num_blocks // per_row)
@@ -145,10 +131,12 @@ class PoolArtist:
                 f"this artist draws {self.num_blocks} blocks of {self.block_size} tokens; the "
                 f"state has {state.num_blocks} blocks of {state.block_size}"
             )
-        self.palette.assign(groups_in_order(state))
+        if not state.colors:  # a live manager's state: this artist's palette colours it
+            state = self.palette.paint(state)
+        colors = state.colors
         group_of = {s: state.group_of(s) for s in state.tables}.__getitem__  # once per sequence
         for blk, bar, ref in zip(state.blocks, self._bars, self._refs, strict=True):
-            color = block_color(blk, group_of, self.palette)
+            color = block_color(blk, group_of, colors)
             bar.set_facecolor(color)
             bar.set_width(self._bar_w * blk.num_tokens / self.block_size)
             shared = blk.refcount > 1
@@ -160,18 +148,19 @@ class PoolArtist:
                 _short(token_text(blk.token_ids, self.tokenizer)) if blk.token_ids else ""
             )
         self._title.set_text(self.title if self.title is not None else pool_title(state))
-        self._update_legend(state, {group_of(s) for s in state.tables})
+        if self.legend:
+            self._update_legend(state, {group_of(s) for s in state.tables})
         self.state = state
 
     def _update_legend(self, state: PoolState, owning: set) -> None:
-        groups = [g for g in self.palette.groups if g in owning]  # in colour order
+        groups = [(g, c) for g, c in state.colors.items() if g in owning]  # in the state's order
         key = tuple(groups)
         if key == self._legend_key:
             return
         self._legend_key = key
         self.layout_version += 1  # the legend is part of the static layer: redraw that too
         name = "request {}" if state.requests else "{}"
-        handles = [Patch(facecolor=self.palette.color(g), label=name.format(g)) for g in groups]
+        handles = [Patch(facecolor=c, label=name.format(g)) for g, c in groups]
         if len(handles) > self.max_legend_groups:
             more = len(handles) - self.max_legend_groups + 1
             handles = handles[: self.max_legend_groups - 1]
@@ -246,7 +235,7 @@ def default_per_row(num_blocks: int) -> int:
 
 def pool_title(state: PoolState) -> str:
     used = state.count("used") + state.count("shared")
-    step = "" if state.step is None else f", step {state.step}"
+    step = "" if state.step is None else f", {step_label(state)}"
     return (
         f"KV block pool{step}: {used} used ({state.count('shared')} shared), "
         f"{state.count('cached')} cached, {state.count('free')} free of {state.num_blocks}"
@@ -261,17 +250,23 @@ def pool_figure(
     palette: Palette | None = None,
     show_tokens: bool = False,
     tokenizer=None,
+    legend: bool = True,
 ) -> tuple[Figure, PoolArtist]:
-    """A Figure sized for the pool, with its :class:`PoolArtist` (the live views use this too)."""
+    """A Figure sized for the pool, with its :class:`PoolArtist` (the live views use this too,
+    with ``legend=False``: their request list is the legend, and the picture has no band left
+    empty for a legend that may grow)."""
     per_row = default_per_row(num_blocks) if per_row is None else per_row
     if not isinstance(per_row, int) or isinstance(per_row, bool) or per_row < 1:
         raise ValueError(f"per_row must be a positive int, got {per_row!r}")
     cell = 0.95 if show_tokens else 0.62  # inches: room for a 10 pt label (and tokens)
     rows = -(-num_blocks // per_row)
-    legend = 2.4  # inches on the right for the legend
-    # Tall enough for the legend: 4 fixed entries and a few requests, 0.25 inch each.
+    legend_w = 2.4 if legend else 0.0  # inches on the right for the legend
+    # With a legend: tall enough for its 4 fixed entries and a few requests, 0.25 inch each.
     grid_h = rows * cell
-    width, height = max(per_row * cell + legend + 0.3, 7.5), max(grid_h, 2.25) + 0.6
+    if legend:
+        width, height = max(per_row * cell + legend_w + 0.3, 7.5), max(grid_h, 2.25) + 0.6
+    else:
+        width, height = max(per_row * cell + 0.3, 7.5), grid_h + 0.6
     fig = Figure(figsize=(width, height))
     bottom = (height - 0.5 - grid_h) / height  # the grid hangs from the top, under the title
     ax = fig.add_axes((0.15 / width, bottom, per_row * cell / width, grid_h / height))
@@ -283,6 +278,7 @@ def pool_figure(
         palette=palette,
         show_tokens=show_tokens,
         tokenizer=tokenizer,
+        legend=legend,
     )
     artist.max_legend_groups = max(2, int((height - 0.6) / 0.25) - 4)
     return fig, artist
@@ -304,6 +300,9 @@ def draw_block_pool(
 
     ``source``: a ``KVCacheManager``, ``LLMEngine``, ``LLM`` or a ``PoolState``. ``show_tokens``
     prints each block's first tokens (decoded with ``tokenizer``, by default the engine's).
+    Colours: a replayed state's own (``state.colors``: those of its run, as the replay view
+    shows them); else ``palette``'s (``Palette.follow(kv)`` for a live manager), else a fresh
+    palette's.
     """
     state = pool_state(source)
     if show_tokens and tokenizer is None:

@@ -10,6 +10,8 @@ comes from one of two places that must agree:
 
 The tests check that both give equal states at every step of a run, so a lab can hand out a JSON
 trace and students see exactly what the live view showed. Read-only: nothing here mutates.
+A replayed state also carries its run's request colours (``colors``; see ``viz/colors.py``), so
+every drawing of it colours a request as the replay view does.
 
 Per block we keep what the paper's figures show: who points at it (``owners``, from the block
 tables), its ``refcount``, how many of its ``block_size`` slots hold KV (``num_tokens``, the
@@ -71,6 +73,10 @@ class PoolState:
     requests: tuple[RequestState, ...] = ()
     step: int | None = None
     stats: dict[str, Any] = field(default_factory=dict)  # StepStats.as_dict() of an engine
+    # request -> colour of the requests this frame shows, as the run's Palette assigned them
+    # (viz/colors.py); empty for a state read from a live manager. Not part of equality: two
+    # states of the same pool are equal whoever coloured them.
+    colors: dict[Hashable, str] = field(default_factory=dict, compare=False)
 
     @property
     def num_blocks(self) -> int:
@@ -91,6 +97,36 @@ class PoolState:
             if seq_id in r.seqs:
                 return r.request_id
         return _request_of(seq_id)
+
+
+def groups_in_order(state: PoolState) -> list[Hashable]:
+    """The groups (requests) of ``state`` in the order a palette meets them: its requests as
+    listed (running, swapped, waiting, finished), then owners of blocks by block id, then
+    swapped sequences. Depends only on the state's values, so that a live run and its replay
+    hand out the same colours."""
+    seen: dict[Hashable, None] = {}
+    for r in state.requests:
+        seen.setdefault(r.request_id)
+    for b in state.blocks:
+        for g in sorted({state.group_of(s) for s in b.owners}, key=repr):
+            seen.setdefault(g)
+    for s in sorted(state.swapped, key=repr):
+        seen.setdefault(state.group_of(s))
+    return list(seen)
+
+
+def step_label(state: PoolState) -> str | None:
+    """What every picture and widget calls a frame: ``"step S"``, S the engine's step counter
+    (or the ``step=`` a hand-driven manager marked), plus ``" (abort: r)"`` for the extra frame
+    an abort records after step S. ``None`` for a frame marked without a step number."""
+    if state.step is None:
+        return None
+    aborted = [
+        str(r.request_id)
+        for r in state.requests
+        if r.status == "finished" and r.finish_reason == "abort"
+    ]
+    return f"step {state.step}" + (f" (abort: {', '.join(aborted)})" if aborted else "")
 
 
 def _request_of(seq_id: Hashable) -> Hashable:
@@ -198,13 +234,16 @@ def pool_state(source, info: dict[str, Any] | None = None) -> PoolState:
 
 
 def replay_states(log) -> list[tuple[int, PoolState]]:
-    """Every frame of a recorded run: ``(event index, PoolState)`` at each ``step`` event.
+    """Every frame of a recorded run: ``(event index, PoolState)`` at each ``step`` event, each
+    with its colours (``state.colors``: one :class:`~pagedlearn.viz.colors.Palette` observes the
+    frames in order, so a request has one colour in every drawing of the run).
 
     ``log`` is an :class:`~pagedlearn.trace.EventLog` (``llm.engine.record()``, or
     ``EventLog.from_json`` of a file a lab handed out). A log without step events (a manager
     driven by hand that never called ``kv.mark_step``) has no frames.
     """
     from pagedlearn.trace import PoolReplay
+    from pagedlearn.viz.colors import Palette  # imports matplotlib: only when replaying
 
     if "num_blocks" not in log.meta or "block_size" not in log.meta:
         raise ValueError(
@@ -212,11 +251,13 @@ def replay_states(log) -> list[tuple[int, PoolState]]:
             "engine.record() or kv.record()"
         )
     replay = PoolReplay(log.meta["num_blocks"])
+    palette = Palette()
     frames = []
     for e in log.events:
         replay.apply(e)
         if e.kind == "step":
-            frames.append((e.index, state_of_replay(replay, log.meta["block_size"])))
+            state = palette.paint(state_of_replay(replay, log.meta["block_size"]))
+            frames.append((e.index, state))
     return frames
 
 

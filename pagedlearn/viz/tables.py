@@ -17,9 +17,10 @@ from collections.abc import Hashable
 
 from matplotlib.figure import Figure
 from matplotlib.patches import ConnectionPatch, Rectangle
+from matplotlib.patheffects import Normal, Stroke
 
-from pagedlearn.viz.pool import PoolArtist, groups_in_order
-from pagedlearn.viz.state import PoolState, pool_state
+from pagedlearn.viz.pool import PoolArtist
+from pagedlearn.viz.state import PoolState, groups_in_order, pool_state, step_label
 from pagedlearn.viz.style import OUTLINE_COLOR, Palette, styled
 
 MAX_SEQS = 8  # rows that stay readable; more are left out, and the title says so
@@ -38,7 +39,8 @@ def draw_block_tables(
 ) -> Figure:
     """Each sequence's block table as arrows from its logical blocks to physical blocks.
 
-    ``source``: a ``KVCacheManager``, ``LLMEngine``, ``LLM`` or ``PoolState``. ``seqs``: the
+    ``source``: a ``KVCacheManager``, ``LLMEngine``, ``LLM`` or ``PoolState``; colours as
+    :func:`~pagedlearn.viz.pool.draw_block_pool` picks them. ``seqs``: the
     sequence ids to show (default: all, GPU-resident first, then swapped out; at most
     ``MAX_SEQS``). The arrows are ``ConnectionPatch`` artists in ``fig.artists``, one per drawn
     block-table entry, with ``gid`` ``"<seq>:<logical>-><physical>"``.
@@ -46,8 +48,8 @@ def draw_block_tables(
     state = pool_state(source)
     if palette is not None and not isinstance(palette, Palette):
         raise TypeError(f"palette must be a Palette, got {type(palette).__name__}")
-    palette = palette if palette is not None else Palette()
-    palette.assign(groups_in_order(state))
+    if not state.colors:  # a live manager's state: the palette colours it (viz/colors.py)
+        state = (palette if palette is not None else Palette()).paint(state)
     chosen, notes = _choose(state, seqs)
     gpu = [s for s in chosen if s in state.tables]
     cpu = [s for s in chosen if s in state.swapped]
@@ -80,7 +82,7 @@ def draw_block_tables(
             grid_h / height,
         )
     )
-    pool = PoolArtist(right, n, state.block_size, per_row=pcols, palette=palette)
+    pool = PoolArtist(right, n, state.block_size, per_row=pcols)
     pool.max_legend_groups = max(2, int(body_h / 0.25) - 4)
     pool.title = "physical blocks"
     pool.update(state)
@@ -89,7 +91,7 @@ def draw_block_tables(
         left.text(0, left_h / 2, "no sequences in the pool", va="center", fontsize=11)
     for row, seq in enumerate(chosen):
         y = left_h - (row + 1) * ROW_H + (ROW_H - BOX_H) / 2
-        color = palette.color(state.group_of(seq))
+        color = state.colors[state.group_of(seq)]
         left.add_patch(Rectangle((0, y), 0.08, BOX_H, facecolor=color, linewidth=0))
         name = f"{seq}\n(request {state.group_of(seq)})" if state.requests else f"seq {seq}"
         left.text(0.15, y + BOX_H / 2, name, va="center", fontsize=10)
@@ -141,9 +143,11 @@ def draw_block_tables(
                 arrowstyle="-|>",
                 mutation_scale=12,
                 color=color,
-                linewidth=1.1,
-                alpha=0.7,
+                linewidth=1.3,
+                alpha=0.85,
                 zorder=5,
+                # a thin dark edge: light colours (yellow, sky blue) stay visible on white
+                path_effects=[Stroke(linewidth=2.3, foreground="#555555"), Normal()],
             )
             arrow.set_gid(f"{seq}:{j}->{block}")
             fig.add_artist(arrow)
@@ -158,7 +162,7 @@ def draw_block_tables(
             )
 
     if title is None:
-        step = "" if state.step is None else f", step {state.step}"
+        step = "" if state.step is None else f", {step_label(state)}"
         title = f"Block tables: logical -> physical blocks{step}"
         if notes:
             title += f"\n({'; '.join(notes)})"
