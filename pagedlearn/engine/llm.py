@@ -24,6 +24,7 @@ Orca (Max) does, instead of taking blocks as its tokens arrive (see
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Sequence
 
@@ -192,7 +193,12 @@ class LLM:
         batched together; returns one :class:`RequestOutput` per prompt, in order.
 
         A prompt that can never be served (too long for the model or the pool) does not stop the
-        others: its output has ``error`` set, no tokens, and finish reason "error"."""
+        others: its output has ``error`` set, no tokens, and finish reason "error".
+
+        Interrupted (Ctrl-C, "interrupt kernel", or an error raised by a step), it aborts the
+        requests it added -- their blocks go back to the pool, their outputs are dropped -- and
+        re-raises: the engine stays usable, and the next ``generate`` starts clean. Requests
+        added to ``llm.engine`` by other code stay queued."""
         return self._run(prompts, sampling_params or SamplingParams(), use_tqdm)
 
     def beam_search(
@@ -214,25 +220,32 @@ class LLM:
         elif len(params) != len(prompts):
             raise PagedLearnError(f"{len(prompts)} prompts but {len(params)} sampling params")
         engine = self.engine
-        ids, results = [], {}
-        for prompt, p in zip(prompts, params, strict=True):
-            rid = f"gen-{self._num_generated}"
-            self._num_generated += 1
-            try:
-                engine.add_request(rid, prompt, p)
-            except RequestRejectedError as e:
-                results[rid] = _rejected(rid, prompt, str(e))
-                print(f"pagedlearn: {e}")
-            ids.append(rid)
-        pending = {rid for rid in ids if rid not in results}
-        with tqdm(total=len(ids), desc="requests", disable=not use_tqdm, leave=False) as bar:
-            bar.update(len(ids) - len(pending))
-            while pending and engine.has_unfinished_requests():
-                for out in engine.step():
-                    if out.finished and out.request_id in pending:
-                        results[out.request_id] = out
-                        pending.discard(out.request_id)
-                        bar.update(1)
+        ids, results, pending = [], {}, set()
+        try:
+            for prompt, p in zip(prompts, params, strict=True):
+                rid = f"gen-{self._num_generated}"
+                self._num_generated += 1
+                ids.append(rid)
+                try:
+                    engine.add_request(rid, prompt, p)
+                except RequestRejectedError as e:
+                    results[rid] = _rejected(rid, prompt, str(e))
+                    print(f"pagedlearn: {e}")
+                else:
+                    pending.add(rid)
+            with tqdm(total=len(ids), desc="requests", disable=not use_tqdm, leave=False) as bar:
+                bar.update(len(ids) - len(pending))
+                while pending and engine.has_unfinished_requests():
+                    for out in engine.step():
+                        if out.finished and out.request_id in pending:
+                            results[out.request_id] = out
+                            pending.discard(out.request_id)
+                            bar.update(1)
+        except BaseException:  # Ctrl-C or a step's error: leave no request of ours behind
+            for rid in pending:
+                with contextlib.suppress(Exception):  # a broken engine: the first error matters
+                    engine.abort_request(rid)
+            raise
         return [results[rid] for rid in ids]
 
 

@@ -15,6 +15,10 @@ over it)::
         for out in engine.step(): ...
     engine.subscribe_stats(print)          # a StepStats after every step
     engine.kv.trace.subscribe(print)       # every block event, as it happens
+
+A step that raises (an error in the forward, Ctrl-C, a subscriber) does not wedge the engine:
+the requests it had in flight are preempted by recompute (or failed, if they keep failing), the
+exception reaches the caller, and the next ``step()`` goes on (recovery.py).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from pagedlearn.engine.beam_search import beam_step
+from pagedlearn.engine.recovery import Recovery, StepJournal, held_interrupts, recover
 from pagedlearn.engine.request import (
     CompletionOutput,
     Request,
@@ -85,6 +90,12 @@ class LLMEngine:
         self._arrivals = 0
         self.num_finished = 0
         self.num_failed = 0
+        # Recovery (recovery.py): final outputs of a step that raised, handed out by the next
+        # step; what the last recovery did; why the engine refuses work, if its pool is broken.
+        self._undelivered: list[RequestOutput] = []
+        self._journal: StepJournal | None = None
+        self.last_recovery: Recovery | None = None
+        self.broken: str | None = None
 
     # --- requests -----------------------------------------------------------------------------
     def add_request(
@@ -97,6 +108,8 @@ class LLMEngine:
         never be served: an empty or over-long prompt, or one larger than the whole pool (with
         ``kv_reservation="max"``: one whose reservation is larger than the whole pool)."""
         rid = str(request_id)
+        if self.broken:
+            raise PagedLearnError(f"this engine takes no more requests: {self.broken}")
         params = params if params is not None else SamplingParams()
         if not isinstance(params, (SamplingParams, BeamSearchParams)):
             raise RequestRejectedError(
@@ -150,19 +163,26 @@ class LLMEngine:
 
     def abort_request(self, request_id: str | int) -> RequestOutput | None:
         """Stop a request now: its blocks go back to the pool at once. Returns its final output
-        (finish reason "abort"), or None if it is unknown or already finished."""
-        req = self.requests.get(str(request_id))
+        (finish reason "abort"), or None if it is unknown or already finished. (A request that
+        finished in a step that raised, whose output the next ``step()`` would hand out, is
+        finished: its output is dropped, and None is returned.)"""
+        rid = str(request_id)
+        self._undelivered = [o for o in self._undelivered if o.request_id != rid]
+        req = self.requests.get(rid)
         if req is None or req.status is RequestStatus.FINISHED:
             return None
-        self.scheduler.remove(req)
-        for seq in req.seqs:
-            seq.finish_reason = "abort"
-        out = self._finish(req)
+        with held_interrupts():  # all of it or none: its blocks, its queue, its output
+            self.scheduler.remove(req)
+            for seq in req.seqs:
+                seq.finish_reason = "abort"
+            out = self._finish(req)
         self._mark([out])
         return out
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_work()
+        """Whether a ``step()`` has work: queued requests, or outputs of requests that finished
+        in a step that raised (the next step hands them out)."""
+        return self.scheduler.has_work() or bool(self._undelivered)
 
     # --- observers ----------------------------------------------------------------------------
     def subscribe_stats(self, fn: Callable[[StepStats], None]) -> Callable[[], None]:
@@ -176,20 +196,46 @@ class LLMEngine:
 
     # --- one step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one iteration; returns an output for every request that progressed or ended."""
+        """Run one iteration; returns an output for every request that progressed or ended.
+
+        If it raises -- whatever raised, Ctrl-C included -- the requests in flight are preempted
+        by recompute (or failed after repeated faults), every block is accounted for, and the
+        same exception reaches the caller; the next ``step()`` goes on (see recovery.py)."""
+        if self.broken:
+            if self._undelivered:  # the requests failed when the pool broke
+                outputs, self._undelivered = self._undelivered, []
+                return outputs
+            raise PagedLearnError(f"this engine cannot step: {self.broken}")
+        self._journal = journal = StepJournal(self._undelivered)
+        self._undelivered = []
+        try:
+            return self._step(journal)
+        except BaseException as exc:
+            recover(self, journal, exc)  # never raises; notes on exc what it did
+            raise
+        finally:
+            self._journal = None
+
+    def _step(self, j: StepJournal) -> list[RequestOutput]:
         t0 = time.perf_counter()
-        sched = self.scheduler.schedule()
-        t1 = time.perf_counter()
-        for s in sched.scheduled:
-            if s.request.metrics.first_scheduled_time is None:
-                s.request.metrics.first_scheduled_time = t1
-        outputs = [self._fail(req) for req in sched.failed]
+        with held_interrupts():  # bookkeeping: Ctrl-C waits until it is whole
+            sched = self.scheduler.schedule(j.sched)
+            t1 = time.perf_counter()
+            for s in sched.scheduled:
+                if s.request.metrics.first_scheduled_time is None:
+                    s.request.metrics.first_scheduled_time = t1
+            for req in sched.failed:
+                j.outputs.append(self._fail(req))
         # Order matters: swap-outs read blocks that swap-ins or copies may now overwrite.
+        j.phase = "swap_out"
         self.kv_cache.swap_out(sched.swap_out)
+        j.phase = "swap_in"
         self.kv_cache.swap_in(sched.swap_in)
+        j.phase = "copy"
         self.kv_cache.copy_blocks(self.kv.pop_copies())
         forward_time = 0.0
         if sched.scheduled:
+            j.phase = "forward"
             t2 = time.perf_counter()
             logits = self.runner.execute(
                 [
@@ -197,18 +243,21 @@ class LLMEngine:
                     for s in sched.scheduled
                 ]
             )
+            j.phase = "sample"
             logprobs = self.sampler.logprobs(logits)  # (S, vocab) on the CPU
             t3 = time.perf_counter()
             forward_time = t3 - t2
-            outputs += self._process(sched, logprobs, t3)
+            with held_interrupts():
+                j.outputs += self._process(sched, logprobs, t3)
+                j.phase = "publish"  # a Ctrl-C held until here finds every request sampled
+        j.phase = "publish"
         t4 = time.perf_counter()
         self.num_steps += 1
         # Bookkeeping: the scheduler (with the block manager's appends, admissions, preemptions)
         # plus the Python after the forward (sampling, stop checks, forks and frees).
         post = (t4 - t3) if sched.scheduled else (t4 - t1)
-        self._publish(sched, t4 - t0, forward_time, (t1 - t0) + post)
-        self._mark(outputs, self.last_stats)  # the stats just published: not collected twice
-        return outputs
+        self._publish(sched, j.outputs, t4 - t0, forward_time, (t1 - t0) + post)
+        return j.outputs
 
     def _process(self, sched: SchedulerOutput, logprobs: torch.Tensor, now: float):
         rows: dict[str, list[int]] = {}  # a chunk short of the prompt's end samples nothing
@@ -219,8 +268,10 @@ class LLMEngine:
         best_lp, best_tok = logprobs.max(dim=-1)  # ties -> the lowest id, like argmax
         best = list(zip(best_tok.tolist(), best_lp.tolist(), strict=True))
         outputs = []
+        journal = self._journal or StepJournal([])
         for rid, idx in rows.items():
             req = self.requests[rid]
+            journal.begin(req)  # snapshot: if anything below raises, recovery rolls it back
             if req.is_beam_search:
                 beam_step(
                     req,
@@ -240,6 +291,8 @@ class LLMEngine:
                 outputs.append(self._finish(req))
             else:
                 outputs.append(self._output(req))
+            req.num_faults = 0
+            journal.done(req, outputs[-1])
         return outputs
 
     def _sample(self, req: Request, logprobs: torch.Tensor, rows: list[int], best) -> None:
@@ -381,7 +434,7 @@ class LLMEngine:
             "stats": (stats or self.stats()).as_dict(),
         }
 
-    def _publish(self, sched: SchedulerOutput, step_time, forward_time, bookkeeping) -> None:
+    def _publish(self, sched, outputs, step_time, forward_time, bookkeeping) -> None:
         step = {
             "num_batched_tokens": sched.num_batched_tokens,
             "num_prefill_seqs": sum(x.is_prefill for x in sched.scheduled),
@@ -391,5 +444,7 @@ class LLMEngine:
             "bookkeeping_time": bookkeeping,
         }
         self.last_stats = StepStats.collect(self, step)
+        # The trace's frame first: a stats subscriber that raises does not cost the replay it.
+        self._mark(outputs, self.last_stats)  # the stats just published: not collected twice
         for fn in tuple(self._stats_subscribers):
             fn(self.last_stats)

@@ -101,6 +101,7 @@ class Request:
     generator: object = None  # torch.Generator when params.seed is set
     next_seq_index: int = 0
     error: str | None = None
+    num_faults: int = 0  # steps in a row that raised while it was in flight (recovery.py)
 
     @property
     def is_beam_search(self) -> bool:

@@ -84,6 +84,9 @@ class SchedulerOutput:
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu block, device block)
     preempted: list[Request] = field(default_factory=list)
     failed: list[Request] = field(default_factory=list)  # can never fit; request.error says why
+    # Every request whose queue or blocks this step changed, noted *before* the change: if the
+    # step raises, the engine rolls these back (recovery.py).
+    touched: list[Request] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -134,8 +137,10 @@ class Scheduler:
         return bool(self.waiting or self.running or self.swapped)
 
     # --- one step --------------------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
+    def schedule(self, out: SchedulerOutput | None = None) -> SchedulerOutput:
+        """Plan one step into ``out`` (a new one by default; the engine passes its own, so that
+        it can see what a schedule that raised had done so far)."""
+        out = SchedulerOutput() if out is None else out
         self._schedule_running(out)
         if not out.preempted:
             self._schedule_swapped(out)
@@ -195,6 +200,7 @@ class Scheduler:
                     )
                     continue
                 return
+            out.touched.append(req)
             self.swapped.pop(0)
             out.swap_in.extend(kv.swap_in(ids))
             if kv.blocks_to_append(ids) > kv.num_free_blocks:  # only when it was alone
@@ -331,6 +337,7 @@ class Scheduler:
         """Give every sequence of a waiting request its blocks (all or none) and schedule its
         prefill (its first ``chunk`` tokens). Returns False, changing nothing, if they don't fit."""
         kv = self.kv
+        out.touched.append(req)
         if len(req.seqs) > 1:  # re-admission after recompute: check first, so nothing can fail
             blocks = sum(-(-len(s.token_ids) // kv.block_size) for s in req.seqs)
             if blocks > kv.num_free_blocks:
@@ -364,6 +371,7 @@ class Scheduler:
         """Schedule each sequence's next ``chunk`` tokens: the newest sampled token (a decode), or
         the next piece of a prompt. They get their slots now; the forward writes their K/V."""
         kv = self.kv
+        out.touched.append(req)
         for seq in req.seqs:
             start = kv.num_tokens(seq.seq_id)
             new = seq.token_ids[start : start + chunk]
@@ -389,6 +397,7 @@ class Scheduler:
         return pending if pending > 1 else 0
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        out.touched.append(req)
         if self.preemption_mode == "swap":
             try:
                 out.swap_out.extend(self.kv.swap_out(req.seq_ids))
@@ -412,6 +421,7 @@ class Scheduler:
             self.running.remove(req)
 
     def _fail(self, req: Request, out: SchedulerOutput, why: str) -> None:
+        out.touched.append(req)
         for queue in (self.waiting, self.swapped, self.running):
             if req in queue:
                 queue.remove(req)
