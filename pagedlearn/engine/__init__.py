@@ -2,7 +2,9 @@
 
 Read in this order: ``sampling_params`` (what a request asks for), ``request`` (requests,
 sequences, outputs), ``scheduler`` (who runs each step; preemption), ``sampler`` and
-``beam_search`` (next tokens), ``llm_engine`` (one step end to end), ``llm`` (the front door).
+``beam_search`` (next tokens), ``admission`` (checking a request in), ``llm_engine`` (one step end
+to end), ``outputs`` (what a step hands out), ``recovery`` (rolling back a step that raised),
+``llm`` (the front door).
 """
 
 from pagedlearn.engine.llm import LLM

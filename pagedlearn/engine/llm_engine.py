@@ -19,6 +19,10 @@ over it)::
 A step that raises (an error in the forward, Ctrl-C, a subscriber) does not wedge the engine:
 the requests it had in flight are preempted by recompute (or failed, if they keep failing), the
 exception reaches the caller, and the next ``step()`` goes on (recovery.py).
+
+What comes in is checked once, at the door, in admission.py (``RequestRejectedError``); what
+goes out -- each request's output, a finished or failed request, and each step's stats and its
+frame in the trace -- is built in outputs.py. This file is the step in between.
 """
 
 from __future__ import annotations
@@ -28,15 +32,11 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from pagedlearn.engine.admission import RequestRejectedError, admit
 from pagedlearn.engine.beam_search import beam_step
+from pagedlearn.engine.outputs import fail, finish, frame, mark, publish, request_output
 from pagedlearn.engine.recovery import Recovery, StepJournal, held_interrupts, recover
-from pagedlearn.engine.request import (
-    CompletionOutput,
-    Request,
-    RequestMetrics,
-    RequestOutput,
-    RequestStatus,
-)
+from pagedlearn.engine.request import Request, RequestOutput, RequestStatus
 from pagedlearn.engine.sampler import Sampler
 from pagedlearn.engine.sampling_params import BeamSearchParams, SamplingParams
 from pagedlearn.engine.scheduler import Scheduler, SchedulerOutput
@@ -47,9 +47,7 @@ from pagedlearn.kv_cache_manager import KVCacheManager
 from pagedlearn.models.runner import ModelRunner, SequenceInput
 from pagedlearn.trace import EventLog
 
-
-class RequestRejectedError(PagedLearnError, ValueError):
-    """A request the engine can never serve (too long for the model, the pool or the step)."""
+__all__ = ["LLMEngine", "RequestRejectedError"]  # RequestRejectedError lives in admission.py
 
 
 class LLMEngine:
@@ -106,59 +104,13 @@ class LLMEngine:
     ) -> None:
         """Queue a request. Raises :class:`RequestRejectedError` (queueing nothing) if it can
         never be served: an empty or over-long prompt, or one larger than the whole pool (with
-        ``kv_reservation="max"``: one whose reservation is larger than the whole pool)."""
-        rid = str(request_id)
+        ``kv_reservation="max"``: one whose reservation is larger than the whole pool). The
+        checks are in admission.py."""
         if self.broken:
             raise PagedLearnError(f"this engine takes no more requests: {self.broken}")
-        params = params if params is not None else SamplingParams()
-        if not isinstance(params, (SamplingParams, BeamSearchParams)):
-            raise RequestRejectedError(
-                f"request {rid!r}: params must be SamplingParams or "
-                f"BeamSearchParams, got {type(params).__name__}"
-            )
-        if rid in self.requests:
-            raise RequestRejectedError(f"request id {rid!r} is already in use")
-        text = prompt if isinstance(prompt, str) else None
-        token_ids = self._tokenize(rid, prompt)
-        n, bs, pool = len(token_ids), self.kv.block_size, self.kv.allocator.num_blocks
-        why = None
-        if n > self.max_model_len:
-            why = f"its prompt has {n} tokens, more than the model's {self.max_model_len} positions"
-        elif -(-n // bs) > pool:
-            why = (
-                f"its prompt needs {-(-n // bs)} blocks of {bs} tokens, more than the whole "
-                f"pool of {pool}"
-            )
-        elif (reserve := self.scheduler.reserved_blocks(n, params)) > pool:
-            why = (
-                f"kv_reservation='max' reserves {params.n} x blocks for min(prompt + max_tokens, "
-                f"{self.max_model_len}) = {reserve} blocks of {bs} tokens, more than the whole "
-                f"pool of {pool}"
-            )
-        elif n > self.scheduler.max_num_batched_tokens and not self.scheduler.chunked_prefill:
-            why = (
-                f"its prompt has {n} tokens, more than max_num_batched_tokens="
-                f"{self.scheduler.max_num_batched_tokens} and enable_chunked_prefill=False"
-            )
-        elif params.n > self.scheduler.max_num_seqs:
-            why = f"it asks for {params.n} sequences, more than max_num_seqs"
-        if why:
-            raise RequestRejectedError(f"request {rid!r} rejected: {why}")
-        generator = None
-        if isinstance(params, SamplingParams) and params.seed is not None:
-            generator = torch.Generator().manual_seed(params.seed)
-        req = Request(
-            rid,
-            text,
-            token_ids,
-            params,
-            RequestMetrics(time.perf_counter()),
-            self._arrivals,
-            generator=generator,
-        )
+        req = admit(self, request_id, prompt, params, arrival_index=self._arrivals)
         self._arrivals += 1
-        req.seqs.append(req.new_sequence(list(token_ids)))
-        self.requests[rid] = req
+        self.requests[req.request_id] = req
         self.scheduler.add(req)
 
     def abort_request(self, request_id: str | int) -> RequestOutput | None:
@@ -175,14 +127,17 @@ class LLMEngine:
             self.scheduler.remove(req)
             for seq in req.seqs:
                 seq.finish_reason = "abort"
-            out = self._finish(req)
-        self._mark([out])
+            out = finish(self, req)
+        mark(self, [out])
         return out
 
     def has_unfinished_requests(self) -> bool:
         """Whether a ``step()`` has work: queued requests, or outputs of requests that finished
         in a step that raised (the next step hands them out)."""
         return self.scheduler.has_work() or bool(self._undelivered)
+
+    def _fail(self, req: Request) -> RequestOutput:  # recovery.py fails requests through this
+        return fail(self, req)
 
     # --- observers ----------------------------------------------------------------------------
     def subscribe_stats(self, fn: Callable[[StepStats], None]) -> Callable[[], None]:
@@ -193,6 +148,18 @@ class LLMEngine:
     def record(self) -> EventLog:
         """Record every block event from now on (for replay, JSON export and pictures)."""
         return self.kv.record()
+
+    def stats(self) -> StepStats:
+        """The statistics as of now (after an abort, say); timings are those of the last step."""
+        return StepStats.collect(self, self.last_stats.step_fields() if self.last_stats else {})
+
+    def step_info(
+        self, outputs: Sequence[RequestOutput] = (), stats: StepStats | None = None
+    ) -> dict:
+        """What a frame of the pictures says besides the blocks (JSON-able): the step number,
+        the requests in each queue with their sequences, those of ``outputs`` that finished, and
+        the stats (:meth:`StepStats.as_dict`; ``stats``, or the engine's as of now)."""
+        return frame(self, outputs, stats)
 
     # --- one step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -225,7 +192,7 @@ class LLMEngine:
                 if s.request.metrics.first_scheduled_time is None:
                     s.request.metrics.first_scheduled_time = t1
             for req in sched.failed:
-                j.outputs.append(self._fail(req))
+                j.outputs.append(fail(self, req))
         # Order matters: swap-outs read blocks that swap-ins or copies may now overwrite.
         j.phase = "swap_out"
         self.kv_cache.swap_out(sched.swap_out)
@@ -256,7 +223,7 @@ class LLMEngine:
         # Bookkeeping: the scheduler (with the block manager's appends, admissions, preemptions)
         # plus the Python after the forward (sampling, stop checks, forks and frees).
         post = (t4 - t3) if sched.scheduled else (t4 - t1)
-        self._publish(sched, j.outputs, t4 - t0, forward_time, (t1 - t0) + post)
+        publish(self, sched, j.outputs, t4 - t0, forward_time, (t1 - t0) + post)
         return j.outputs
 
     def _process(self, sched: SchedulerOutput, logprobs: torch.Tensor, now: float):
@@ -288,9 +255,9 @@ class LLMEngine:
             req.metrics.token_times.append(now)
             if not req.seqs:
                 self.scheduler.remove(req)
-                outputs.append(self._finish(req))
+                outputs.append(finish(self, req))
             else:
-                outputs.append(self._output(req))
+                outputs.append(request_output(self, req))
             req.num_faults = 0
             journal.done(req, outputs[-1])
         return outputs
@@ -327,124 +294,3 @@ class LLMEngine:
         if len(seq.output_token_ids) >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
             return "length"
         return None
-
-    # --- outputs ------------------------------------------------------------------------------
-    def _output(self, req: Request) -> RequestOutput:
-        if req.is_beam_search and req.seqs:  # live beams, best first
-            seqs = sorted(req.seqs, key=lambda s: -s.cumulative_logprob)
-        else:
-            seqs = sorted(req.seqs + req.done, key=lambda s: s.index)
-        outs = [
-            CompletionOutput(
-                s.index, s.output_token_ids, s.cumulative_logprob, s.finish_reason, self._decode
-            )
-            for s in seqs
-        ]
-        return RequestOutput(
-            req.request_id,
-            req.prompt,
-            req.prompt_token_ids,
-            outs,
-            req.status is RequestStatus.FINISHED,
-            req.metrics,
-            req.num_cached_tokens,
-            req.error,
-        )
-
-    def _finish(self, req: Request) -> RequestOutput:
-        """Final output; the engine forgets the request (its id may be used again)."""
-        del self.requests[req.request_id]
-        req.status = RequestStatus.FINISHED
-        req.done.extend(req.seqs)
-        req.seqs = []
-        req.metrics.finished_time = time.perf_counter()
-        self.num_finished += 1
-        return self._output(req)
-
-    def _fail(self, req: Request) -> RequestOutput:
-        for seq in req.seqs:
-            seq.finish_reason = "error"
-        self.num_failed += 1
-        return self._finish(req)
-
-    def _decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
-
-    def _tokenize(self, rid: str, prompt) -> list[int]:
-        if isinstance(prompt, str):
-            token_ids = list(self.tokenizer.encode(prompt))
-        else:
-            try:
-                token_ids = [int(t) for t in prompt]
-            except (TypeError, ValueError):
-                raise RequestRejectedError(
-                    f"request {rid!r}: a prompt is a string or a list of token ids, got "
-                    f"{type(prompt).__name__}"
-                ) from None
-        if not token_ids:
-            raise RequestRejectedError(f"request {rid!r} has an empty prompt")
-        vocab = self.model.config.vocab_size
-        bad = [t for t in token_ids if not 0 <= t < vocab]
-        if bad:
-            raise RequestRejectedError(
-                f"request {rid!r}: token id {bad[0]} is outside the vocabulary (0..{vocab - 1})"
-            )
-        return token_ids
-
-    def stats(self) -> StepStats:
-        """The statistics as of now (after an abort, say); timings are those of the last step."""
-        return StepStats.collect(self, self.last_stats.step_fields() if self.last_stats else {})
-
-    def _mark(self, outputs: list[RequestOutput], stats: StepStats | None = None) -> None:
-        # A ``step`` event (a frame of the live and replay views), if anyone listens.
-        if self.kv.trace.listening:
-            self.kv.mark_step(**self.step_info(outputs, stats))
-
-    def step_info(
-        self, outputs: Sequence[RequestOutput] = (), stats: StepStats | None = None
-    ) -> dict:
-        """What a frame of the pictures says besides the blocks (JSON-able): the step number,
-        the requests in each queue with their sequences, those of ``outputs`` that finished, and
-        the stats (:meth:`StepStats.as_dict`; ``stats``, or the engine's as of now)."""
-        q = self.scheduler
-        requests = [
-            {
-                "id": r.request_id,
-                "status": r.status.value,
-                "seqs": [s.seq_id for s in r.seqs],
-                "prompt_tokens": len(r.prompt_token_ids),
-                "output_tokens": max((len(s.output_token_ids) for s in r.seqs), default=0),
-            }
-            for r in (*q.running, *q.swapped, *q.waiting)
-        ]
-        finished = [
-            {
-                "id": o.request_id,
-                "reason": o.outputs[0].finish_reason if o.outputs else None,
-                "prompt_tokens": len(o.prompt_token_ids),
-                "output_tokens": max((len(c.token_ids) for c in o.outputs), default=0),
-            }
-            for o in outputs
-            if o.finished
-        ]
-        return {
-            "step": self.num_steps,
-            "requests": requests,
-            "finished": finished,
-            "stats": (stats or self.stats()).as_dict(),
-        }
-
-    def _publish(self, sched, outputs, step_time, forward_time, bookkeeping) -> None:
-        step = {
-            "num_batched_tokens": sched.num_batched_tokens,
-            "num_prefill_seqs": sum(x.is_prefill for x in sched.scheduled),
-            "num_decode_seqs": sum(not x.is_prefill for x in sched.scheduled),
-            "step_time": step_time,
-            "forward_time": forward_time,
-            "bookkeeping_time": bookkeeping,
-        }
-        self.last_stats = StepStats.collect(self, step)
-        # The trace's frame first: a stats subscriber that raises does not cost the replay it.
-        self._mark(outputs, self.last_stats)  # the stats just published: not collected twice
-        for fn in tuple(self._stats_subscribers):
-            fn(self.last_stats)
