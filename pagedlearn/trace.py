@@ -21,12 +21,16 @@ kind             blocks               seqs    what happened
 ``cache_store``  (b,)                 (s,)    s's full block b registered: ``info["hash"]``,
                                               its tokens ``info["tokens"]``
 ``evict``        (b,)                 (s,)    cached block b taken for s's new data; hash gone
+                                              (``info["reason"]``: dropped, not taken -- its KV
+                                              may never have been written; recovery.py)
 ``swap_out``     s's GPU blocks       (s,)    refcount -1 each; s's table is now
                                               ``info["cpu_blocks"]``, in the CPU pool
 ``swap_in``      s's new GPU blocks   (s,)    refcount +1 each, s's table again; it was
                                               ``info["cpu_blocks"]``
 ``preempt``      ()                   (s,)    the engine preempted s: ``info["mode"]`` is
-                                              ``"recompute"`` (s is freed) or ``"swap"``
+                                              ``"recompute"`` (s is freed) or ``"swap"``;
+                                              ``info["reason"]`` when it was not for room
+                                              (recovery.py: the step that raised)
 ``step``         ()                   ()      a frame boundary (``kv.mark_step``): every
                                               sequence's token count, the tokens it gained
                                               since the last mark, and the caller's info
@@ -37,9 +41,10 @@ sequence; blocks they share appear in each of their events, as they do in their 
 manager emits every kind but ``preempt``, which the engine emits to say *why* blocks moved, and
 ``step``, which the engine asks for after each step: block events say which blocks a sequence
 holds, step events say how full they are and what tokens they hold, so that a replay can draw
-a recorded run exactly as the live view drew it. When
-nobody subscribes, ``emit`` is a single ``if``: the manager pays nothing for the trace it is not
-asked for.
+a recorded run exactly as the live view drew it. When nobody subscribes, ``emit`` is a single
+``if``: the manager pays nothing for the trace it is not asked for. A subscriber that raises
+stops neither the other subscribers nor the manager: its error is held until the next step
+event (:class:`Trace`).
 
 A trace file comes from someone else: :meth:`EventLog.from_json` checks its sizes and shape
 (trace_file.py) and that every event fits the pool (trace_checks.py), and raises
@@ -48,7 +53,9 @@ A trace file comes from someone else: :meth:`EventLog.from_json` checks its size
 
 from __future__ import annotations
 
+import contextlib
 import json
+import warnings
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -88,12 +95,28 @@ Subscriber = Callable[[Event], None]
 
 
 class Trace:
-    """Fan-out of block events to subscribers (the live view, an :class:`EventLog`, a test)."""
+    """Fan-out of block events to subscribers (the live view, an :class:`EventLog`, a test).
+
+    **A subscriber that raises** must not cut a block-manager operation in half (``emit`` runs
+    in the middle of them: a pool nobody could trust) nor hide the event from the subscribers
+    after it (a recording would replay wrong). So every subscriber gets every event; the first
+    ``Exception`` a subscriber raises is *held* (later ones are counted) and raised at the next
+    **safe point**, where nothing is half done: the end of the next ``step`` event, after every
+    subscriber saw it (``kv.mark_step``: the engine marks at the end of each step, which then
+    raises with its work complete and nothing for recovery to undo), or
+    :meth:`raise_deferred`. One held from a block event is also announced at once with a
+    ``RuntimeWarning``: a manager driven by hand may never mark a step. It is the subscriber's
+    own exception (its traceback leads into the subscriber), with a note naming the event.
+    Not logged and dropped: a drawing bug would pass silently. ``KeyboardInterrupt`` is not
+    held (the engine holds a real Ctrl-C itself: ``held_interrupts`` in engine/recovery.py).
+    """
 
     def __init__(self) -> None:
         self._subscribers: list[Subscriber] = []
         self._next_index = 0
         self.num_subscriptions = 0  # ever made: tells a StepMarker that a new listener arrived
+        self.held_error: Exception | None = None  # until the next safe point (raise_deferred)
+        self._more_held = 0  # errors caught since the held one
 
     @property
     def listening(self) -> bool:
@@ -106,12 +129,60 @@ class Trace:
         return lambda: self._subscribers.remove(fn) if fn in self._subscribers else None
 
     def emit(self, kind: str, blocks: Iterable[int], seqs: Iterable[Hashable] = (), **info) -> None:
+        """Give an event to every subscriber. A subscriber's ``Exception`` is held (see the
+        class docstring) and raised at the end of the next ``step`` event."""
         if not self._subscribers:  # the common case in a benchmark: no record is even built
             return
         event = Event(self._next_index, kind, tuple(blocks), tuple(seqs), info)
         self._next_index += 1
         for fn in tuple(self._subscribers):
-            fn(event)
+            try:
+                fn(event)
+            except Exception as exc:  # held, not lost: raised at the next safe point
+                self._hold(fn, event, exc)
+        if self.held_error is not None and kind == "step":  # a frame boundary: nothing half done
+            self.raise_deferred()
+
+    def raise_deferred(self) -> None:
+        """Raise the subscriber error held since the last safe point, if any (and forget it).
+        Call it where no block-manager operation is half done."""
+        exc, more = self.held_error, self._more_held
+        if exc is None:
+            return
+        self.held_error, self._more_held = None, 0
+        if more:
+            _note(exc, f"pagedlearn: {more} more subscriber error(s) were caught after it")
+        raise exc
+
+    def _hold(self, fn: Subscriber, event: Event, exc: Exception) -> None:
+        if self.held_error is not None:
+            self._more_held += 1
+            return
+        self.held_error = exc
+        name = getattr(fn, "__qualname__", None) or type(fn).__qualname__  # a callable object
+        where = f"event {event.index} ({event.kind})"
+        _note(
+            exc,
+            f"pagedlearn: trace subscriber {name} raised this at {where}; every subscriber "
+            "got that event and the block manager finished its operation: the error was held "
+            "until the next safe point (the end of a step event, or Trace.raise_deferred())",
+        )
+        if event.kind != "step":  # a step event raises it at once: nothing to announce
+            # Warnings turned into errors: no matter, the held error is raised anyway.
+            with contextlib.suppress(Exception):
+                warnings.warn(
+                    f"trace subscriber {name} raised {exc!r} at {where}; the block manager "
+                    "carried on, and the error will be raised at the next step event "
+                    "(kv.mark_step; the engine marks after every step) or by "
+                    "trace.raise_deferred()",
+                    RuntimeWarning,
+                    stacklevel=3,  # the line that emitted the event
+                )
+
+
+def _note(exc: BaseException, text: str) -> None:
+    if hasattr(exc, "add_note"):  # Python 3.11+
+        exc.add_note(text)
 
 
 class EventLog:

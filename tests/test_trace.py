@@ -1,4 +1,5 @@
 import json
+import warnings
 
 import pytest
 from helpers import replay_matches
@@ -22,6 +23,92 @@ def test_subscribe_and_unsubscribe():
     stop()
     trace.emit("free", [3], ["a"])
     assert seen == [Event(0, "allocate", (3,), ("a",), {})]
+
+
+class Drawing:
+    """A subscriber with a bug: raises at every event of ``kinds`` (and records what it saw)."""
+
+    def __init__(self, *kinds):
+        self.kinds, self.seen, self.raised = kinds, [], []
+
+    def __call__(self, event):
+        self.seen.append(event.index)
+        if event.kind in self.kinds:
+            self.raised.append(ValueError(f"drawing bug at {event.kind}"))
+            raise self.raised[-1]
+
+
+def test_a_subscriber_that_raises_inside_an_operation_is_held_until_the_next_step_event():
+    kv = KVCacheManager(6, 2, enable_prefix_caching=True)
+    bug = Drawing("allocate")
+    kv.trace.subscribe(bug)  # first: the others come after it
+    log, replay = kv.record(), PoolReplay(6)
+    kv.trace.subscribe(replay.apply)
+    with pytest.warns(RuntimeWarning, match=r"Drawing raised ValueError.*event 0 \(allocate\)"):
+        kv.add_sequence("a", [1, 2, 3])  # raised at its allocate: the operation still completes
+    kv.add_sequence("b", [4, 5, 6])  # a second error: counted, not announced again
+    assert kv.block_table("a") == [0, 1] and kv.block_table("b") == [2, 3]
+    kv.check_invariants()
+    assert replay_matches(kv, replay) and replay_matches(kv, log.replay())
+    assert kv.trace.held_error is bug.raised[0]
+    with pytest.raises(ValueError, match="drawing bug at allocate") as info:
+        kv.mark_step(step=1)  # the safe point: every subscriber got the step event first
+    assert info.value is bug.raised[0] and len(bug.raised) == 2
+    assert "at event 0 (allocate)" in info.value.__notes__[0]
+    assert "1 more subscriber error" in info.value.__notes__[1]
+    assert [e.kind for e in log.events][-1] == "step" and replay.step_info == {"step": 1}
+    assert bug.seen == [e.index for e in log.events]  # the culprit, too, saw every event
+    assert kv.trace.held_error is None
+    kv.mark_step(step=2)  # raised once, then forgotten
+    kv.trace.raise_deferred()  # nothing held: nothing raised
+
+
+def test_a_subscriber_that_raises_at_a_step_event_raises_after_the_others_saw_it(recwarn):
+    kv = KVCacheManager(4, 2)
+    bug = Drawing("step")
+    kv.trace.subscribe(bug)
+    log = kv.record()
+    kv.add_sequence("a", [1])
+    with pytest.raises(ValueError, match="drawing bug at step"):
+        kv.mark_step(step=1)
+    assert [e.kind for e in log.events] == ["allocate", "step"]
+    assert not recwarn.list  # raised at once: no warning
+
+
+def test_raise_deferred_is_the_safe_point_of_code_that_marks_no_steps():
+    kv = KVCacheManager(4, 2)
+    bug = Drawing("free")
+    kv.trace.subscribe(bug)
+    kv.add_sequence("a", [1, 2, 3])
+    with pytest.warns(RuntimeWarning, match="raise_deferred"):
+        kv.free_sequence("a")
+    assert kv.num_free_blocks == 4  # freed all the same
+    with pytest.raises(ValueError, match="drawing bug at free"):
+        kv.trace.raise_deferred()
+
+
+def test_a_keyboard_interrupt_from_a_subscriber_is_not_held():
+    trace, seen = Trace(), []
+
+    def interrupt(event):
+        raise KeyboardInterrupt
+
+    trace.subscribe(interrupt)
+    trace.subscribe(seen.append)
+    with pytest.raises(KeyboardInterrupt):
+        trace.emit("allocate", [1], ["a"])
+    assert seen == [] and trace.held_error is None
+
+
+def test_warnings_turned_into_errors_do_not_cut_an_operation_short():
+    kv = KVCacheManager(4, 2)
+    kv.trace.subscribe(Drawing("allocate"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        kv.add_sequence("a", [1, 2, 3])  # the warning would raise: it is dropped instead
+    assert kv.block_table("a") == [0, 1]
+    with pytest.raises(ValueError, match="drawing bug"):
+        kv.mark_step()
 
 
 def test_every_operation_is_in_the_trace_and_replay_rebuilds_the_pool():

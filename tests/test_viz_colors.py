@@ -8,13 +8,13 @@ from matplotlib.colors import to_hex
 
 from pagedlearn import LLM, KVCacheManager, SamplingParams
 from pagedlearn.viz import ReplayView, draw_block_pool, draw_block_tables
-from pagedlearn.viz.colors import OKABE_ITO, TOL_MUTED, Palette, visible_groups
+from pagedlearn.viz.colors import OKABE_ITO, REQUEST_COLORS, TOL_MUTED, Palette, visible_groups
 from pagedlearn.viz.live import LiveBlockView
 from pagedlearn.viz.state import pool_state, replay_states
 from pagedlearn.viz.style import block_color
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-BASE = [to_hex(c) for c in OKABE_ITO]
+BASE = [to_hex(c) for c in REQUEST_COLORS]
 
 
 def figure_colors(fig, state) -> dict:
@@ -42,8 +42,8 @@ def test_a_palette_never_repeats_a_colour_while_nothing_leaves():
     first = [p.color(g) for g in "xyz"]
     assert first == BASE[:3] and p.color("y") == first[1]  # Okabe-Ito in order; stable
     many = [p.color(i) for i in range(40)]
-    assert len(set(first + many)) == 43  # 8 Okabe-Ito, 9 Tol muted, then generated hues
-    assert many[5:14] == [to_hex(c) for c in TOL_MUTED]
+    assert len(set(first + many)) == 43  # 7 Okabe-Ito, 9 Tol muted, then generated hues
+    assert many[4:13] == [to_hex(c) for c in TOL_MUTED]
     with pytest.raises(ValueError):
         Palette(["not-a-colour"])
     with pytest.raises(ValueError):
@@ -52,6 +52,15 @@ def test_a_palette_never_repeats_a_colour_while_nothing_leaves():
         p.color(["a", "list"])
     with pytest.raises(TypeError, match="PoolState"):
         p.observe({"a": 1})
+
+
+def test_black_is_never_a_request_colour():
+    """Okabe-Ito's eighth colour, black, would read like the grey of a block several requests
+    share: the first tier is the other seven, in order."""
+    assert [to_hex(c) for c in OKABE_ITO[:7]] == BASE and to_hex(OKABE_ITO[7]) == "#000000"
+    p = Palette()
+    assert "#000000" not in {p.color(i) for i in range(60)}
+    assert Palette(["#000000", "#0072b2"]).color("a") == "#000000"  # asked for: a course's choice
 
 
 def _frame(kv, *seqs):
@@ -68,15 +77,15 @@ def _frame(kv, *seqs):
 def test_a_newcomer_takes_an_unused_colour_then_the_one_freed_longest_ago():
     kv = KVCacheManager(32, 4)
     p = Palette()
-    p.observe(_frame(kv, *"abcdefgh"))  # all 8 Okabe-Ito colours
-    assert p.visible == dict(zip("abcdefgh", BASE, strict=True))
-    p.observe(_frame(kv, *"bcdefgh"))  # a leaves: blue is free
-    p.observe(_frame(kv, *"cdefgh"))  # then b: orange
-    colors = p.observe(_frame(kv, *"cdefghij"))
+    p.observe(_frame(kv, *"abcdefg"))  # all 7 Okabe-Ito colours (black left out)
+    assert p.visible == dict(zip("abcdefg", BASE, strict=True))
+    p.observe(_frame(kv, *"bcdefg"))  # a leaves: blue is free
+    p.observe(_frame(kv, *"cdefg"))  # then b: orange
+    colors = p.observe(_frame(kv, *"cdefgij"))
     assert colors["i"] == BASE[0] and colors["j"] == BASE[1]  # the longest-freed first
-    colors = p.observe(_frame(kv, *"cdefghijk"))  # 9 visible: the next tier
+    colors = p.observe(_frame(kv, *"cdefgijk"))  # 8 visible: the next tier, not black
     assert colors["k"] == to_hex(TOL_MUTED[0])
-    assert_distinct(colors, "9 visible")
+    assert_distinct(colors, "8 visible")
     colors = p.observe(_frame(kv, "c", "d", "a"))  # i leaves, a comes back: blue is free
     assert colors == {"c": BASE[2], "d": BASE[3], "a": BASE[0]}
     colors = p.observe(_frame(kv, "a", "i"))  # i comes back: blue is a's now

@@ -8,8 +8,12 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from pagedlearn import LLM, KVCacheManager, SamplingParams
+from pagedlearn import LLM, KVCacheManager, SamplingParams, trace_limits
+from pagedlearn.errors import TraceFileError
+from pagedlearn.viz import pool as pool_module
+from pagedlearn.viz import replay as replay_module
 from pagedlearn.viz.live import DPI, MAX_BUTTONS, LiveBlockView, ReplayView
+from pagedlearn.viz.pool import MAX_DRAWN_BLOCKS, PoolTooLargeError
 from pagedlearn.viz.state import pool_state
 from pagedlearn.viz.style import block_color
 
@@ -115,6 +119,32 @@ def test_replay_from_json_text_and_file(recorded, tmp_path):
         ReplayView(42)
 
 
+def test_replay_takes_json_as_text_or_bytes_and_paths_as_str_or_path(
+    recorded, tmp_path, monkeypatch
+):
+    _, log, frames = recorded
+    text = log.to_json()
+    path = tmp_path / "run.json"
+    path.write_bytes(text.encode())
+    for source in (text.encode(), bytearray(text.encode()), " \n\t" + text, path.read_bytes()):
+        assert ReplayView(source).num_frames == len(frames)
+    # JSON that is no trace: the file check says what is wrong, not "no such file"
+    for bad in ("[1, 2, 3]", "  \n[]", " {not json", b"[1]", b"\xff\xfe{"):
+        with pytest.raises(TraceFileError):
+            ReplayView(bad)
+    # a name that is not JSON: a path, named briefly when missing
+    long_name = "runs/" + "x" * 500 + ".json"
+    with pytest.raises(FileNotFoundError, match="no trace file") as info:
+        ReplayView(long_name)
+    message = str(info.value)
+    assert len(message) < 200 and "(510 characters)" in message and "xxx.json'" in message
+    with pytest.raises(FileNotFoundError, match=r"missing\.json"):
+        ReplayView(tmp_path / "missing.json")
+    monkeypatch.setattr(trace_limits, "MAX_TRACE_CHARS", 100)  # a file past the cap: not read
+    with pytest.raises(TraceFileError, match=f"is {len(text)} bytes, above the cap"):
+        ReplayView(path)
+
+
 def test_replay_of_a_log_without_steps_is_a_clear_error():
     kv = KVCacheManager(8, 4)
     log = kv.record()
@@ -210,6 +240,22 @@ def test_large_pool_uses_a_block_box():
     replay.slider.index = 1
     replay.block_box.value = 1
     assert "refcount: 2" in replay.details.value and "tokens: 4 5 6 7" in replay.details.value
+
+
+def test_views_of_a_pool_too_large_to_draw_are_refused_before_any_frame(llm, monkeypatch):
+    kv = KVCacheManager(MAX_DRAWN_BLOCKS + 1, 4)
+    log = kv.record()
+    kv.add_sequence("a", [1, 2, 3])
+    kv.mark_step()
+    monkeypatch.setattr(replay_module, "replay_states", lambda log: pytest.fail("built frames"))
+    for source in (log, log.to_json()):  # a file within the trace caps, beyond the picture's
+        with pytest.raises(PoolTooLargeError, match=f"{MAX_DRAWN_BLOCKS + 1} blocks"):
+            ReplayView(source)
+    monkeypatch.setattr(pool_module, "MAX_DRAWN_BLOCKS", 16)  # the live view of a 24-block pool
+    subscriptions = llm.engine.kv.trace.num_subscriptions
+    with pytest.raises(PoolTooLargeError, match="MAX_DRAWN_BLOCKS = 16"):
+        LiveBlockView(llm)
+    assert llm.engine.kv.trace.num_subscriptions == subscriptions  # it never subscribed
 
 
 def test_a_reader_without_a_kernel_sees_the_picture(llm):

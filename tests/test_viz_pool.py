@@ -7,7 +7,9 @@ from matplotlib.patches import ConnectionPatch
 from matplotlib.text import Text
 
 from pagedlearn import KVCacheManager
-from pagedlearn.viz.pool import PoolArtist, draw_block_pool, pool_figure
+from pagedlearn.errors import PagedLearnError
+from pagedlearn.viz import pool as pool_module
+from pagedlearn.viz.pool import PoolArtist, PoolTooLargeError, draw_block_pool, pool_figure
 from pagedlearn.viz.state import pool_state
 from pagedlearn.viz.style import (
     CACHED_COLOR,
@@ -194,3 +196,29 @@ def test_drawing_leaves_rcparams_and_state_alone(kv):
     draw_block_tables(kv)
     assert dict(matplotlib.rcParams) == before
     assert {s: kv.block_table(s) for s in kv.sequences()} == tables
+
+
+def test_a_pool_too_large_to_draw_is_refused_before_anything_is_built(monkeypatch):
+    """A trace within its caps may describe 4 million blocks: every pool picture refuses a pool
+    above MAX_DRAWN_BLOCKS, naming the limit, before a figure or a state is built for it."""
+    assert pool_module.MAX_DRAWN_BLOCKS >= 160  # the largest pool a chapter draws
+    big = KVCacheManager(pool_module.MAX_DRAWN_BLOCKS + 1, BS)
+    built = []
+    monkeypatch.setattr(pool_module, "Figure", lambda *a, **k: built.append("figure"))
+    monkeypatch.setattr(pool_module, "pool_state", lambda *a, **k: built.append("state"))
+    for draw in (
+        lambda: draw_block_pool(big),
+        lambda: pool_figure(big.allocator.num_blocks, BS),
+        lambda: PoolArtist(None, big.allocator.num_blocks, BS),
+    ):
+        with pytest.raises(PoolTooLargeError, match="MAX_DRAWN_BLOCKS = 4096") as info:
+            draw()
+        assert isinstance(info.value, (PagedLearnError, ValueError))
+        assert f"{big.allocator.num_blocks} blocks" in str(info.value)
+    assert built == []
+    monkeypatch.undo()
+    # read at each call: a course may raise (or lower) it
+    monkeypatch.setattr(pool_module, "MAX_DRAWN_BLOCKS", 12)
+    draw_block_pool(KVCacheManager(12, BS))
+    with pytest.raises(PoolTooLargeError, match="MAX_DRAWN_BLOCKS = 12"):
+        draw_block_pool(pool_state(KVCacheManager(13, BS)))

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from pagedlearn import KVCacheManager
-from pagedlearn.trace import EventLog
+from pagedlearn.errors import TraceFileError
+from pagedlearn.trace import Event, EventLog
 from pagedlearn.viz.state import CACHED, FREE, SHARED, USED, pool_state, replay_states
 
 
@@ -133,3 +134,18 @@ def test_pool_state_names_what_it_cannot_read():
         pool_state(object())
     with pytest.raises(ValueError, match="block_size"):
         replay_states(EventLog(meta={"num_blocks": 4}))
+
+
+def test_an_in_memory_log_gets_the_cpu_pool_check_a_file_gets():
+    """replay_states hands the CPU pool's size to the replay: a swapped-out table that names a
+    CPU block outside it is refused, in memory as from a file."""
+    kv = KVCacheManager(4, 2, num_cpu_blocks=2)
+    log = kv.record()
+    kv.add_sequence("a", [1, 2, 3])
+    kv.swap_out(["a"])
+    kv.mark_step(step=0)
+    assert len(replay_states(log)) == 1
+    i, out = next((i, e) for i, e in enumerate(log.events) if e.kind == "swap_out")
+    log.events[i] = Event(out.index, out.kind, out.blocks, out.seqs, {"cpu_blocks": [0, 7]})
+    with pytest.raises(TraceFileError, match=r"event 1 \(swap_out\).*7, not a CPU block id"):
+        replay_states(log)

@@ -45,7 +45,9 @@ later prompt would reuse K/V that was never computed.
 Requests that finished in a step that then raised have their outputs handed out by the next
 ``step()`` (so ``generate`` and the live view see them). Last, the pool's invariants are checked
 (invariants.py, O(pool), only after a fault). If they fail -- only an exception raised *inside* a
-block-manager operation can do that, e.g. a trace subscriber that raises -- the pool cannot be
+block-manager operation can do that, e.g. a monkeypatched allocator, or a ``KeyboardInterrupt``
+a trace subscriber raises itself (a subscriber's ``Exception`` is held back by the trace until
+the step's end: trace.py) -- the pool cannot be
 trusted: every request is failed with the reason and the engine refuses new work (``broken``).
 
 The exception itself always reaches the caller unchanged (with a note saying what recovery did).

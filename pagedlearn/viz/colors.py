@@ -10,13 +10,15 @@ it stays visible; when it leaves, the colour becomes free for a later request.
 The rule for a newcomer (a request that had a colour before and finds it free gets it back):
 
 1. an Okabe-Ito colour nobody has used yet, in order (blue, orange, green, vermillion, pink, sky
-   blue, yellow, black: the set chosen to stay apart for the common kinds of colour blindness);
+   blue, yellow: the set chosen to stay apart for the common kinds of colour blindness). Its
+   eighth colour, black, is left out (:data:`REQUEST_COLORS`): a black block is easily taken
+   for the grey of a block that several requests share, and black is the pictures' ink;
 2. else the Okabe-Ito colour freed longest ago -- so a colour that just left the screen is not
    reused at once, and a reader does not take the newcomer for the request that just finished;
-3. only when all 8 are held by visible requests: Paul Tol's *muted* scheme (9 more colours
+3. only when all 7 are held by visible requests: Paul Tol's *muted* scheme (9 more colours
    designed for colour-blind readers, SRON technical note "Colour Schemes"), same order of
    preference;
-4. past 17 visible requests at once, generated hues (golden-angle steps around the colour
+4. past 16 visible requests at once, generated hues (golden-angle steps around the colour
    wheel). They are still all different, but no longer easy to tell apart: the request list,
    the legend and the block inspector name every block's request.
 
@@ -55,6 +57,7 @@ from pagedlearn.sim import plots
 from pagedlearn.viz.state import PoolState, groups_in_order, pool_state
 
 OKABE_ITO = plots.OKABE_ITO
+REQUEST_COLORS = [c for c in OKABE_ITO if to_hex(c) != "#000000"]  # black: see rule 1 above
 TOL_MUTED = ["#332288", "#88CCEE", "#44AA99", "#117733", "#999933", "#DDCC77", "#CC6677",
              "#882255", "#AA4499"]  # fmt: skip
 GOLDEN_ANGLE = 0.381966  # of a turn: successive generated hues stay far apart
@@ -71,12 +74,13 @@ def visible_groups(state: PoolState) -> list[Hashable]:
 class Palette:
     """A colour per request, handed out as the module docstring says; one per run.
 
-    ``colors``: the first-choice colours (default Okabe-Ito); ``extra``: the next tier (default
-    Paul Tol's muted scheme). Without :meth:`observe` nothing ever leaves, so a palette used only
-    through :meth:`color` hands out 17 colours, then generated ones, never one twice.
+    ``colors``: the first-choice colours (default Okabe-Ito without black); ``extra``: the next
+    tier (default Paul Tol's muted scheme). Without :meth:`observe` nothing ever leaves, so a
+    palette used only through :meth:`color` hands out 16 colours, then generated ones, never one
+    twice.
     """
 
-    def __init__(self, colors: Iterable[str] = OKABE_ITO, extra: Iterable[str] = TOL_MUTED):
+    def __init__(self, colors: Iterable[str] = REQUEST_COLORS, extra: Iterable[str] = TOL_MUTED):
         base = [to_hex(c) for c in colors]  # raises ValueError for something not a colour
         if not base:
             raise ValueError("a Palette needs at least one colour")

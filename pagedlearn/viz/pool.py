@@ -20,6 +20,7 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 
+from pagedlearn.errors import PagedLearnError
 from pagedlearn.viz.state import PoolState, groups_in_order, pool_state, step_label
 from pagedlearn.viz.style import (
     CACHED_COLOR,
@@ -35,7 +36,29 @@ from pagedlearn.viz.style import (
 
 PAD = 0.06  # gap around a cell, in cell widths
 MAX_LEGEND_GROUPS = 10
-__all__ = ["PoolArtist", "draw_block_pool", "groups_in_order", "pool_figure", "token_text"]
+# The most blocks a picture draws: a cell of 4-5 matplotlib artists each, 16 a row, so at the limit
+# a figure is 256 rows (160 inches) tall, about 0.5 GiB to draw (measured), and no reader finds a
+# block in it. The chapters draw at most 160; a trace file within its caps may describe 4 million
+# (trace_limits.py), a GPU engine sized by memory tens of thousands. Read at each call: a course
+# may raise it (pagedlearn.viz.pool.MAX_DRAWN_BLOCKS = ...).
+MAX_DRAWN_BLOCKS = 4096
+__all__ = ["MAX_DRAWN_BLOCKS", "PoolArtist", "PoolTooLargeError", "check_drawable",
+           "draw_block_pool", "groups_in_order", "pool_figure", "token_text"]  # fmt: skip
+
+
+class PoolTooLargeError(PagedLearnError, ValueError):
+    """A pool with more blocks than a picture draws (:data:`MAX_DRAWN_BLOCKS`)."""
+
+
+def check_drawable(num_blocks) -> None:
+    """Refuse a pool of more than :data:`MAX_DRAWN_BLOCKS` blocks, before anything is built
+    for it (a figure, a frame, a button per block). Not an int: left to the caller's checks."""
+    if isinstance(num_blocks, int) and num_blocks > MAX_DRAWN_BLOCKS:
+        raise PoolTooLargeError(
+            f"a pool of {num_blocks} blocks is too large to draw: the pictures draw at most "
+            f"MAX_DRAWN_BLOCKS = {MAX_DRAWN_BLOCKS} (one cell per block). Draw a smaller pool "
+            "(LLM(..., num_blocks=...)), or raise pagedlearn.viz.pool.MAX_DRAWN_BLOCKS"
+        )
 
 
 def token_text(token_ids, tokenizer=None) -> str:
@@ -75,6 +98,7 @@ class PoolArtist:
         for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        check_drawable(num_blocks)
         per_row = default_per_row(num_blocks) if per_row is None else per_row
         if not isinstance(per_row, int) or isinstance(per_row, bool) or per_row < 1:
             raise ValueError(f"per_row must be a positive int, got {per_row!r}")
@@ -255,6 +279,7 @@ def pool_figure(
     """A Figure sized for the pool, with its :class:`PoolArtist` (the live views use this too,
     with ``legend=False``: their request list is the legend, and the picture has no band left
     empty for a legend that may grow)."""
+    check_drawable(num_blocks)  # before a figure is sized for it
     per_row = default_per_row(num_blocks) if per_row is None else per_row
     if not isinstance(per_row, int) or isinstance(per_row, bool) or per_row < 1:
         raise ValueError(f"per_row must be a positive int, got {per_row!r}")
@@ -302,8 +327,10 @@ def draw_block_pool(
     prints each block's first tokens (decoded with ``tokenizer``, by default the engine's).
     Colours: a replayed state's own (``state.colors``: those of its run, as the replay view
     shows them); else ``palette``'s (``Palette.follow(kv)`` for a live manager), else a fresh
-    palette's.
+    palette's. A pool of more than :data:`MAX_DRAWN_BLOCKS` blocks is refused
+    (:class:`PoolTooLargeError`) before it is read.
     """
+    check_drawable(_num_blocks(source))
     state = pool_state(source)
     if show_tokens and tokenizer is None:
         tokenizer = getattr(getattr(source, "engine", source), "tokenizer", None)
@@ -318,6 +345,14 @@ def draw_block_pool(
     artist.title = title
     artist.update(state)
     return fig
+
+
+def _num_blocks(source) -> int | None:
+    """The size of the pool ``source`` holds (see :func:`pool_state`), without reading it."""
+    if isinstance(source, PoolState):
+        return source.num_blocks
+    kv = getattr(getattr(source, "engine", source), "kv", source)
+    return getattr(getattr(kv, "allocator", None), "num_blocks", None)
 
 
 def _set_hatch_color(patch, color: str) -> None:

@@ -20,8 +20,11 @@ import os
 
 import ipywidgets as w
 
+from pagedlearn import trace_limits
+from pagedlearn.errors import TraceFileError
 from pagedlearn.trace import EventLog
 from pagedlearn.viz.panels import RequestBook
+from pagedlearn.viz.pool import check_drawable
 from pagedlearn.viz.state import PoolState, replay_states
 from pagedlearn.viz.view import PoolView
 
@@ -37,7 +40,8 @@ def frame_name(state: PoolState, index: int) -> str:
 
 class ReplayView(PoolView):
     """Scrub through a recorded run: ``ReplayView(log)`` with ``log`` an ``EventLog``
-    (``engine.record()``), its JSON text, or the path of a JSON file.
+    (``engine.record()``), its JSON text (str or bytes), or the path of a JSON file (str or
+    ``pathlib.Path``).
 
     ``.slider`` (a ``SelectionSlider`` named by step, linked to a ``Play`` widget) picks the
     frame; ``.show(i)`` and ``.show_step(step)`` do the same from code. ``.state`` is the frame
@@ -47,6 +51,7 @@ class ReplayView(PoolView):
 
     def __init__(self, log, *, per_row: int | None = None, tokenizer=None, interval=400) -> None:
         log = _load_log(log)
+        check_drawable(log.meta.get("num_blocks"))  # before building a frame of a huge pool
         frames = replay_states(log)
         if not frames:
             raise ValueError(
@@ -102,18 +107,37 @@ class ReplayView(PoolView):
 
 
 def _load_log(log) -> EventLog:
+    """What a ``ReplayView`` was given, as an ``EventLog``: an ``EventLog``; JSON text -- bytes
+    (a file's contents), or a str that starts, after blanks, with ``{`` or ``[`` (a malformed one
+    gets the :class:`~pagedlearn.errors.TraceFileError` that names what is wrong); else the path
+    of a JSON file (a str or a ``pathlib.Path``)."""
     if isinstance(log, EventLog):
         return log
-    if isinstance(log, str) and log.lstrip().startswith("{"):
+    if isinstance(log, (bytes, bytearray)) or (
+        isinstance(log, str) and log.lstrip()[:1] in ("{", "[")
+    ):
         return EventLog.from_json(log)
     if isinstance(log, (str, os.PathLike)):
-        if not os.path.exists(log):
+        path = os.fspath(log)
+        if not os.path.exists(path):
             raise FileNotFoundError(
-                f"no trace file {os.fspath(log)!r} (give an EventLog, its "
-                "JSON text, or the path of a JSON file)"
+                f"no trace file {_brief(os.fsdecode(path))} (give an EventLog, its JSON text, or "
+                "the path of a JSON file)"
             )
-        with open(log, encoding="utf-8") as f:
+        if (size := os.path.getsize(path)) > trace_limits.MAX_TRACE_CHARS:  # before reading it
+            raise TraceFileError(
+                trace_limits.above_cap(f"the trace file is {size} bytes", "MAX_TRACE_CHARS")
+            )
+        with open(path, "rb") as f:
             return EventLog.from_json(f.read())
     raise TypeError(
-        f"ReplayView needs an EventLog, its JSON text or a path, got {type(log).__name__}"
+        "ReplayView needs an EventLog, its JSON text (str or bytes) or the path of a JSON file, "
+        f"got {type(log).__name__}"
     )
+
+
+def _brief(name: str, keep: int = 32) -> str:
+    """A name for a message: whole when short, else its two ends (a path's file name is last)."""
+    if len(name) <= 2 * keep + 8:
+        return repr(name)
+    return f"{name[:keep]!r}...{name[-keep:]!r} ({len(name)} characters)"

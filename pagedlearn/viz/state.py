@@ -250,7 +250,8 @@ def replay_states(log) -> list[tuple[int, PoolState]]:
             "this log has no meta['num_blocks'] / ['block_size']: record it with "
             "engine.record() or kv.record()"
         )
-    replay = PoolReplay(log.meta["num_blocks"])
+    # The CPU pool's size too, when recorded: an in-memory log gets the check a file gets.
+    replay = PoolReplay(log.meta["num_blocks"], log.meta.get("num_cpu_blocks"))
     palette = Palette()
     frames = []
     for e in log.events:
