@@ -3,7 +3,7 @@
 The paper's end-to-end claim (Kwon et al., abstract and section 6.2, Figure 12): 2-4x the
 throughput of FasterTransformer and Orca "with the same level of latency", i.e. 2-4x the request
 rate each system sustains before its latency explodes. Its cause is that paging fits more requests
-in the batch at the same memory. This script measures that cause, not Figure 12 (for which see
+in the batch on the same memory. This script measures that cause, not Figure 12 (for which see
 ``python -m pagedlearn paper``): completed requests per second on a saturated server, at one KV
 budget in bytes, one stream of requests, three systems:
 
@@ -11,9 +11,10 @@ budget in bytes, one stream of requests, three systems:
 2. **reservation engine**: ``LLM(..., kv_reservation="max")``, the same engine admitting a request
    only when the blocks of ``prompt + max_tokens`` can be set aside for it (Orca (Max)). It
    reserves blocks, not one contiguous run: no external fragmentation, an optimistic upper bound;
-3. **transformers padded**: ``model.generate()`` on left-padded batches, first come first served,
-   as large as fit the budget (``batch x min(longest prompt + largest max_tokens, L)`` slots), each
-   run until its last request stops (static batching).
+3. **generate() in reserved batches**: transformers ``model.generate()`` on left-padded batches
+   that *this script* forms with its own reservation rule (transformers has none): first come
+   first served, as many rows as fit the budget when each row reserves ``min(longest prompt +
+   largest max_tokens, L)`` slots, each batch run until its last request stops (static batching).
 
 The stream: ``--requests`` ShareGPT-like requests (``pagedlearn.sim.workloads``: the paper's means,
 log-normal), lengths scaled from the paper's 2048-token context to the server's limit ``L``;
@@ -32,9 +33,20 @@ the slots allocated), and the same tokens/s over only the steps when requests we
 memory (the drain at the end of a finite stream is not what the paper measures). It prints what
 it measures and asserts nothing.
 
+Timings on a small shared CPU swing with what else runs, so, as ``bench_engine.py`` does: the
+three systems take turns ``--repeats`` times (interleaved, so that a burst of load hits them
+alike), the table gives each rate's median and its min-max, the paged / other ratios are taken
+per repeat (one repeat's runs are neighbours in time) and reported as median and min-max, and the
+load average is printed before, after each repeat and at the end. Everything but the times
+(requests done, running requests, KV utilisation, steps, preemptions, the tokens) follows from the
+stream and the budget in tokens alone, whatever the model computes: it is the same in every
+repeat, and the script says if it is not.
+torch runs on ``--threads`` threads (default 1): the models are small, and with two threads per
+process a second busy process makes each op wait for a core, which slowed one run 10x.
+
 Usage: python benchmarks/bench_memory_bound.py [--model tiny-gpt2|gpt2-size-random|gpt2]
-       [--budget-mib MiB] [--requests 48] [--max-model-len L] [--seed 0] [--device auto|cpu|cuda]
-       [--quick]
+       [--budget-mib MiB] [--requests 48] [--repeats 3] [--max-model-len L] [--seed 0]
+       [--threads 1] [--device auto|cpu|cuda] [--quick]
 """
 
 from __future__ import annotations
@@ -53,7 +65,7 @@ from pagedlearn.models import GPT2_SIZE_RANDOM, load
 from pagedlearn.models.runner import kv_cache_spec, max_model_len
 from pagedlearn.sim.workloads import MAX_CONTEXT, paper_workload
 
-PAGED, RESERVED, PADDED = "paged engine", "reservation engine", "transformers padded"
+PAGED, RESERVED, PADDED = "paged engine", "reservation engine", "generate() in reserved batches"
 BLOCK_SIZE = 16
 DEFAULT_RESERVATIONS = 4  # default budget: room for this many max-length (L-token) sequences
 MIN_SATURATED = 0.5  # a saturated rate over less of a run than this is flagged
@@ -71,8 +83,29 @@ def make_stream(n: int, max_len: int, seed: int) -> list[tuple[int, int, int]]:
     return stream
 
 
+def make_prompts(stream, config, seed: int) -> list[list[int]]:
+    """Random token ids (no special token), one prompt per request of ``stream``."""
+    special = {config.bos_token_id, config.eos_token_id, config.pad_token_id}
+    ids, rng = [t for t in range(config.vocab_size) if t not in special], random.Random(seed)
+    return [[rng.choice(ids) for _ in range(p)] for p, _, _ in stream]
+
+
+def engines(loaded, num_blocks: int, num_requests: int, device) -> dict[str, LLM]:
+    """The paged and the reservation engine on pools of ``num_blocks``, warmed up."""
+    out = {}
+    for name, mode in ((PAGED, "paged"), (RESERVED, "max")):
+        model = load(loaded.name) if out else loaded  # LLM() takes over its model
+        llm = LLM(model, block_size=BLOCK_SIZE, num_blocks=num_blocks, device=device,
+                  enable_prefix_caching=False, max_num_seqs=max(num_requests, 2),
+                  kv_reservation=mode, verbose=False)  # fmt: skip
+        llm.generate([[1] * 8] * 2, SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
+        out[name] = llm
+    return out
+
+
 def run_engine(name: str, llm: LLM, prompts, stream) -> dict:
-    """All requests at once through the step API; the pool measured after every step."""
+    """All requests at once through the step API; the pool measured after every step. The same
+    ``llm`` serves every repeat: its request ids are free again once a run has finished."""
     engine = llm.engine
     q, kv, slot_count = engine.scheduler, engine.kv, engine.kv.allocator.num_blocks * BLOCK_SIZE
     steps, samples, outputs, target, busy, reserved = [], [], {}, {}, [0, 0.0], []
@@ -127,7 +160,8 @@ def padded_batches(stream, slot_count: int, max_len: int) -> list[list[int]]:
 
 
 def run_padded(model, prompts, stream, slot_count, max_len, pad_id, device) -> dict:
-    """transformers generate() batch after batch, each to its longest sampled output."""
+    """transformers generate() on this script's reserved batches (:func:`padded_batches`),
+    batch after batch, each to its longest sampled output."""
     outputs, samples, busy = {}, [], [0, 0.0]
     t0 = time.perf_counter()
     batches = padded_batches(stream, slot_count, max_len)
@@ -173,18 +207,23 @@ def main(argv=None) -> list[dict]:
     arg("--model", default="tiny-gpt2", choices=["tiny-gpt2", GPT2_SIZE_RANDOM, "gpt2"])
     arg("--budget-mib", type=float, help=f"KV budget (default: {DEFAULT_RESERVATIONS} x L tokens)")
     arg("--requests", type=int, default=48)
+    arg("--repeats", type=int, default=3, help="timed runs per system, taking turns (median)")
     arg("--max-model-len", type=int, help="the server's context limit L (default: the model's)")
     arg("--seed", type=int, default=0)
+    arg("--threads", type=int, default=1, help="torch threads on a CPU (see the docstring)")
     arg("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    arg("--quick", action="store_true", help="16 requests (a smoke test for CI)")
+    arg("--quick", action="store_true", help="16 requests, 1 repeat (a smoke test for CI)")
     args = parser.parse_args(argv)
     if args.quick:
-        args.requests = 16
-    if args.requests < 1:
-        parser.error(f"--requests must be at least 1, got {args.requests}")
+        args.requests, args.repeats = 16, 1
+    for name in ("requests", "repeats", "threads"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
     device = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        torch.set_num_threads(args.threads)
     print(f"{machine_line()}; device {device}")
     loaded = load(args.model)
     config, positions = loaded.model.config, max_model_len(loaded.model)
@@ -213,9 +252,7 @@ def main(argv=None) -> list[dict]:
         f"= {slot_count:,} slots = {slot_count / max_len:.2f} max-length (L) sequences"
     )
     stream = make_stream(args.requests, max_len, args.seed)
-    special = {config.bos_token_id, config.eos_token_id, config.pad_token_id}
-    ids, rng = [t for t in range(config.vocab_size) if t not in special], random.Random(args.seed)
-    prompts = [[rng.choice(ids) for _ in range(p)] for p, _, _ in stream]  # random token ids
+    prompts = make_prompts(stream, config, args.seed)
     p, o = (statistics.mean(x[k] for x in stream) for k in (0, 1))
     print(
         f"stream: {args.requests} ShareGPT-like requests (seed {args.seed}), lengths x L / "
@@ -223,14 +260,9 @@ def main(argv=None) -> list[dict]:
         f"{o:.0f} (max {max(x[1] for x in stream)}); max_tokens = L - prompt; all at time 0"
     )
 
-    rows = []
-    for name, mode in ((PAGED, "paged"), (RESERVED, "max")):
-        model = load(args.model) if rows else loaded  # LLM() takes over its model
-        llm = LLM(model, block_size=BLOCK_SIZE, num_blocks=num_blocks, device=device,
-                  enable_prefix_caching=False, max_num_seqs=max(args.requests, 2),
-                  kv_reservation=mode, verbose=False)  # fmt: skip
-        llm.generate([prompts[0][:8]] * 2, SamplingParams(max_tokens=4), use_tqdm=False)  # warm
-        rows.append(run_engine(name, llm, prompts, stream))
+    systems = {}  # name -> one run of the whole stream
+    for name, llm in engines(loaded, num_blocks, args.requests, device).items():
+        systems[name] = lambda name=name, llm=llm: run_engine(name, llm, prompts, stream)
     hf = load(args.model).model.to(device)
     hf.set_attn_implementation("sdpa")
     # A row that stopped (its emulated EOS) is still computed until its batch ends; clamp its
@@ -239,8 +271,17 @@ def main(argv=None) -> list[dict]:
     hf.register_forward_pre_hook(_clamp_positions(max_len), with_kwargs=True)
     pad = config.pad_token_id if config.pad_token_id is not None else config.eos_token_id
     hf_padded(hf, [prompts[0][:8]] * 2, 4, pad, device)  # warm-up
-    rows.append(run_padded(hf, prompts, stream, slot_count, max_len, pad, device))
-    report(rows, args.requests)
+    systems[PADDED] = lambda: run_padded(hf, prompts, stream, slot_count, max_len, pad, device)
+    runs = {name: [] for name in systems}
+    for k in range(args.repeats):  # the systems take turns: a burst of load hits them alike
+        for name, run in systems.items():
+            runs[name].append(run())
+        print(
+            f"repeat {k + 1}/{args.repeats}: req/s "
+            + ", ".join(f"{name} {r[-1]['done'] / r[-1]['wall']:.3f}" for name, r in runs.items())
+            + f"; load average {os.getloadavg()[0]:.2f}"
+        )
+    rows = report(runs, args.requests)
     print(f"load average (1 min) at the end: {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
     return rows
 
@@ -254,55 +295,83 @@ def _clamp_positions(max_len: int):
     return hook
 
 
-def report(rows, num_requests: int) -> None:
+DETERMINED = ("done", "tokens", "peak", "mean", "util", "util_alloc", "steps", "outputs")
+
+
+def spread(values, unit: str = "") -> str:
+    """Median and range of repeated measurements: ``1.51x (1.40x-1.62x)``."""
+    lo, mid, hi = min(values), statistics.median(values), max(values)
+    return f"{mid:.2f}{unit} ({lo:.2f}{unit}-{hi:.2f}{unit})"
+
+
+def report(runs, num_requests: int) -> list[dict]:
+    """The table (medians of the repeats), the greedy cross-check and the paged / other ratios
+    per repeat. Returns one row per system: its first run, with ``rates`` (req/s per repeat)."""
+    rows = []
+    for repeats in runs.values():
+        r = dict(repeats[0])
+        r["rates"] = [x["done"] / x["wall"] for x in repeats]
+        r["wall"] = statistics.median(x["wall"] for x in repeats)
+        r["tok_s"] = statistics.median(x["tokens"] / x["wall"] for x in repeats)
+        sat = [(t / s if s else 0.0, s / x["wall"]) for x in repeats for t, s in [x["busy"]]]
+        r["sat"], r["sat_share"] = (statistics.median(v) for v in zip(*sat, strict=True))
+        r["changed"] = [k for k in DETERMINED if any(x[k] != r[k] for x in repeats)]
+        rows.append(r)
     print(
-        f"\n{'system':<20} {'done':>5} {'wall s':>8} {'req/s':>7} {'tok/s':>7} {'sat tok/s':>9} "
-        f"{'sat%':>4} {'peak':>4} {'mean':>6} {'KV util%':>8} {'of alloc%':>9} {'steps':>5}  notes"
+        f"\n{'system':<30} {'done':>7} {'wall s':>8} {'req/s (min-max)':>22} {'tok/s':>7} "
+        f"{'sat tok/s':>9} {'sat%':>4} {'peak':>4} {'mean':>6} {'KV util%':>8} {'of alloc%':>9} "
+        f"{'steps':>5}  notes"
     )
     for r in rows:
-        (tokens, secs), note = (
-            r["busy"],
-            "running = live rows (stopped rows run to the batch's end)",
-        )
-        r["sat"], r["sat_share"] = (tokens / secs if secs else 0.0), secs / r["wall"]
+        note = "running = live rows (stopped rows run to the batch's end)"
         if "preempted" in r:
             note = (
                 f"{r['step_ms']:.1f} ms/step, {r['batch_tokens']:.1f} tokens/step, preemptions "
                 f"{r['preempted']}" + (f", reserved {r['reserved']:.0f}%" if r["reserved"] else "")
             )
+        if r["changed"]:
+            note += f"; NOT the same in every repeat: {', '.join(r['changed'])}"
         print(
-            f"{r['name']:<20} {r['done']:>2}/{num_requests:<2} {r['wall']:>8.2f} "
-            f"{r['done'] / r['wall']:>7.3f} {r['tokens'] / r['wall']:>7.1f} {r['sat']:>9.1f} "
+            f"{r['name']:<30} {r['done']:>3}/{num_requests:<3} {r['wall']:>8.2f} "
+            f"{spread(r['rates']):>22} {r['tok_s']:>7.1f} {r['sat']:>9.1f} "
             f"{100 * r['sat_share']:>4.0f} {r['peak']:>4} {r['mean']:>6.2f} {r['util']:>8.1f} "
             f"{r['util_alloc']:>9.1f} {r['steps']:>5}  {note}"
         )
+    repeats = len(rows[0]["rates"])
     print(
-        "req/s = requests completed (all their sampled tokens returned) / wall s; tok/s = tokens "
-        "returned / wall s\nsat tok/s = the same over only the steps (padded: batches) that "
-        "began with requests queued for memory;\n  sat% = their share of the wall time\n"
-        "peak, mean = requests running after each step (max, mean over steps)\nKV util% = mean "
-        "over steps of (slots holding a running request's K/V) / (slots in the budget)\nof "
-        "alloc% = sum of those / sum of slots allocated (engines: used blocks x block size; "
-        "padded:\n  batch x (longest prompt + tokens so far)); reserved = mean over steps of "
-        "reserved blocks x block size / budget"
+        f"wall s, req/s, tok/s, sat tok/s, sat% = median of {repeats} repeat(s), the systems taking"
+        " turns; (min-max) = the range of req/s over the repeats\nreq/s = requests completed (all"
+        " their sampled tokens returned) / wall s; tok/s = tokens returned / wall s\nsat tok/s ="
+        " the same over only the steps (reserved batches: the batches) that began with requests"
+        " queued for memory;\n  sat% = their share of the wall time\npeak, mean = requests"
+        " running after each step (max, mean over steps); these and the columns after them are"
+        " the same in every repeat\nKV util% = mean over steps of (slots holding a running"
+        " request's K/V) / (slots in the budget)\nof alloc% = sum of those / sum of slots"
+        " allocated (engines: used blocks x block size; reserved batches:\n  batch x (longest"
+        " prompt + tokens so far)); reserved = mean over steps of reserved blocks x block size /"
+        f" budget\n{PADDED} = transformers generate() on left-padded batches formed by this"
+        " script's reservation rule\n  (batch x min(longest prompt + largest max_tokens, L) <="
+        " budget; transformers has no such rule), each run to its longest output"
     )
     paged, held, padded = rows
     same = sum(paged["outputs"].get(i) == v for i, v in held["outputs"].items())
     same_hf = sum(paged["outputs"].get(i) == v for i, v in padded["outputs"].items())
     print(
         f"greedy tokens identical to the paged engine's: reservation {same}/{len(held['outputs'])}"
-        f", transformers {same_hf}/{len(padded['outputs'])} requests\n"
+        f", {PADDED} {same_hf}/{len(padded['outputs'])} requests\n"
     )
     for other in (held, padded):
-        ratio = (paged["done"] / paged["wall"]) / (other["done"] / other["wall"])
+        ratios = [a / b for a, b in zip(paged["rates"], other["rates"], strict=True)]
         sat = f"{paged['sat'] / other['sat']:.2f}x" if other["sat"] else "n/a"
         if min(paged["sat_share"], other["sat_share"]) < MIN_SATURATED:  # mostly the drain
             sat += f" (a run was saturated < {MIN_SATURATED:.0%} of its time: read with care)"
         print(
-            f"paged / {other['name']}: req/s {ratio:.2f}x, mean running requests "
-            f"{paged['mean'] / other['mean']:.2f}x, sat tok/s {sat}"
+            f"paged / {other['name']}: req/s {spread(ratios, 'x')} (median (min-max) over "
+            f"{repeats} repeat(s)), mean running requests {paged['mean'] / other['mean']:.2f}x, "
+            f"sat tok/s {sat}"
         )
     print(f"paper's claim for paged / reservation throughput: {PAPER_CLAIM}")
+    return rows
 
 
 if __name__ == "__main__":

@@ -8,6 +8,13 @@ what it printed and drew. ``make notebooks`` (``python -m pagedlearn.chapters``)
 and ``tests/test_notebooks.py`` runs every chapter again and fails when a committed output is
 not what the code prints now (with the line to run).
 
+A chapter runs for one of two reasons. :func:`write` runs it to *store* what a reader sees;
+:func:`execute` alone (what the test does) runs it to *check* it, with ``PAGEDLEARN_CHECK=1`` in
+its environment (:func:`checking` reads it). Since a check compares no ``timing`` output, a
+chapter may run its timed sections small then (chapter 08 does: its benchmark takes minutes on a
+busy two-core machine): the check proves they run, not how fast, and the outputs a reader sees
+are the ones :func:`write` stored, at the sizes the chapter's prose discusses.
+
 Two things would otherwise make every run a diff:
 
 - **timings.** A cell whose output holds a measured time is tagged ``timing`` (in the ``.py``:
@@ -35,6 +42,13 @@ OFFLINE_ENV = {  # what a chapter is run under, here and in CI
     "HF_HUB_OFFLINE": "1",
     "MPLBACKEND": "module://matplotlib_inline.backend_inline",
 }
+CHECK_ENV = {"PAGEDLEARN_CHECK": "1"}  # added when a chapter runs to be checked, not stored
+
+
+def checking() -> bool:
+    """True inside a chapter that runs to be checked (tests, CI: see the module docstring), where
+    its ``timing`` cells may run small; False in JupyterLab and in ``make notebooks``."""
+    return os.environ.get("PAGEDLEARN_CHECK") == "1"
 
 
 def chapters(names=()) -> list[Path]:
@@ -51,15 +65,19 @@ def chapters(names=()) -> list[Path]:
     return picked
 
 
-def execute(py: Path, timeout: int = 300):
+def execute(py: Path, timeout: int = 300, check: bool = True):
     """Run chapter ``py`` top to bottom, offline, from ``notebooks/`` (as a student's JupyterLab
-    would); returns the executed notebook. Raises ``CellExecutionError`` naming the cell."""
+    would); returns the executed notebook. Raises ``CellExecutionError`` naming the cell.
+    ``check``: run it to be checked (``PAGEDLEARN_CHECK=1``: timed sections may run small);
+    :func:`write` passes False: the outputs it stores are the ones the prose discusses."""
     import jupytext
     import nbclient
 
     nb = jupytext.read(py)
-    saved = {k: os.environ.get(k) for k in OFFLINE_ENV}
-    os.environ.update(OFFLINE_ENV)  # the kernel inherits them
+    env = {**OFFLINE_ENV, **CHECK_ENV} if check else OFFLINE_ENV
+    saved = {k: os.environ.get(k) for k in (*OFFLINE_ENV, *CHECK_ENV)}
+    os.environ.pop("PAGEDLEARN_CHECK", None)  # unless asked for below: a stored run is full size
+    os.environ.update(env)  # the kernel inherits them
     try:
         client = nbclient.NotebookClient(
             nb,
@@ -163,7 +181,7 @@ def write(py: Path, out=print) -> Path:
     import jupytext
 
     ipynb = py.with_suffix(".ipynb")
-    nb = execute(py)
+    nb = execute(py, check=False)
     kept = keep_committed_timings(nb, jupytext.read(ipynb)) if ipynb.exists() else 0
     jupytext.write(nb, ipynb)
     out(f"{ipynb.name}: outputs stored ({kept} timing cell(s) kept as committed)")

@@ -9,6 +9,7 @@ tests/test_notebooks.py`` prints how long each one takes.
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -154,3 +155,23 @@ def test_chapters_are_picked_by_number_and_unknown_ones_named():
     assert [p.stem[:2] for p in chapters.chapters(["05", "07"])] == ["05", "07"]
     with pytest.raises(ValueError, match=r"no chapter \['42'\]"):
         chapters.chapters(["42"])
+
+
+def test_a_check_may_run_timed_sections_small_a_stored_run_may_not(monkeypatch):
+    nbclient = pytest.importorskip("nbclient")
+    seen = []
+
+    class Client:  # records what the kernel would inherit
+        def __init__(self, nb, **kwargs):
+            pass
+
+        def execute(self):
+            seen.append((os.environ.get("PAGEDLEARN_CHECK"), chapters.checking()))
+
+    monkeypatch.setattr(nbclient, "NotebookClient", Client)
+    monkeypatch.setenv("PAGEDLEARN_CHECK", "1")  # even if the caller's shell has it
+    py = chapters.chapters(["01"])[0]
+    chapters.execute(py, check=False)
+    chapters.execute(py)
+    assert seen == [(None, False), ("1", True)]
+    assert os.environ["PAGEDLEARN_CHECK"] == "1"  # the caller's environment is restored

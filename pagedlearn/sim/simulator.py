@@ -74,6 +74,7 @@ class ContiguousMemory:
         self.policy, self.max_context = policy, max_context
         self.buddy = BuddyAllocator(num_slots)
         self.held = {}  # request_id -> (offset, requested slots)
+        self._final = self._internal = self._rounding = 0  # running totals (see admit)
 
     def reservation(self, req) -> int:
         """Slots requested for ``req`` for its whole lifetime."""
@@ -90,26 +91,35 @@ class ContiguousMemory:
         if offset is None:
             return False
         self.held[req.request_id] = (offset, size)
+        # What does not change while it runs, summed over the running requests (so that a
+        # step's breakdown is one pass over the lengths): its final length, the slots it will
+        # never use, and the buddy allocator's rounding.
+        self._final += req.final_len
+        self._internal += size - req.final_len
+        self._rounding += self.buddy.allocated_size(offset) - size
         return True
 
     def grow(self, req, length: int) -> bool:
         return True  # everything was reserved up front
 
     def release(self, req) -> None:
-        offset, _ = self.held.pop(req.request_id)
+        offset, size = self.held.pop(req.request_id)
+        self._final -= req.final_len
+        self._internal -= size - req.final_len
+        self._rounding -= self.buddy.allocated_size(offset) - size
         self.buddy.free(offset)
 
     def breakdown(self, running_lengths) -> dict:
-        """``running_lengths``: (request, tokens in the cache now) for every running request."""
-        out = dict.fromkeys(CATEGORIES, 0)
-        for req, length in running_lengths:
-            offset, size = self.held[req.request_id]
-            out["token_states"] += length
-            out["reserved"] += req.final_len - length
-            out["internal"] += size - req.final_len
-            out["buddy_rounding"] += self.buddy.allocated_size(offset) - size
-        out["free"] = self.buddy.num_free_slots
-        return out
+        """``running_lengths``: (request, tokens in the cache now) for every running request
+        (every request this memory holds: a reservation is held from admission to release)."""
+        tokens = sum(length for _, length in running_lengths)
+        return {
+            "token_states": tokens,
+            "reserved": self._final - tokens,  # sum of (final length - length now)
+            "internal": self._internal,
+            "buddy_rounding": self._rounding,
+            "free": self.buddy.num_free_slots,
+        }
 
 
 class PagedMemory:
@@ -167,15 +177,17 @@ class PagedMemory:
             out["internal"] = per_request - out["token_states"]
             physical = per_request
         else:
-            filled = {}  # physical block -> slots holding tokens, each block once
+            # Physical blocks, each once. Every block but a table's last is full; only full
+            # blocks are cached, so a block two requests share is full in both.
+            blocks, empty_tails = set(), 0
             for req, length in running_lengths:
                 table = self.kv.block_table(req.request_id)
                 per_request += len(table) * bs
-                for j, block in enumerate(table):
-                    filled[block] = min(bs, length - j * bs)
-            out["token_states"] = sum(filled.values())
-            physical = len(filled) * bs
-            out["internal"] = physical - out["token_states"]
+                blocks.update(table)
+                empty_tails += len(table) * bs - length  # slots free in its last block
+            physical = len(blocks) * bs
+            out["token_states"] = physical - empty_tails
+            out["internal"] = empty_tails
         # Slots past the last whole block (num_slots not a multiple of block_size) are never
         # usable, and cached blocks nobody runs on can be reclaimed: both count as free.
         out["free"] = self.num_slots - out["token_states"] - out["internal"]
@@ -245,15 +257,18 @@ def simulate(requests, memory, max_num_seqs=256, step_seconds=None, max_steps=No
             step = max(step + 1, int(arrivals[0].arrival / step_seconds))
             continue
         # 1. Admit first-come-first-served while memory (and the batch limit) allows.
+        admitted = False
         while waiting and len(running) < max_num_seqs:
             req, length, generated = waiting[0]
             if not memory.admit(req, length):
                 break
             waiting.popleft()
             running.append([req, length, generated])
+            admitted = True
         # Keep running in arrival order (FCFS priority): a request back from preemption takes
         # its old place, so the next victim is still the latest arrival, not the one just back.
-        running.sort(key=lambda e: (e[0].arrival, e[0].request_id))
+        if admitted:  # (preemption pops the last and retiring removes: both keep the order)
+            running.sort(key=lambda e: (e[0].arrival, e[0].request_id))
         if waiting and not running:  # it will never fit: say so instead of looping forever
             req = waiting[0][0]
             raise PagedLearnError(
