@@ -3,8 +3,8 @@
 The memory manager announces each thing it does to the physical pool -- a block allocated, shared,
 copied on write, freed, cached, evicted -- as an :class:`Event`. The live view and the replay view
 draw from these events, and the paper simulations count them, so the list is complete: replaying
-the events from an empty pool rebuilds the pool exactly (:class:`PoolReplay`, checked by the tests
-after every random operation).
+the events from an empty pool rebuilds the pool exactly (:class:`PoolReplay`, in trace_replay.py;
+checked by the tests after every random operation).
 
 Event kinds (``blocks`` are physical block ids -- GPU ones unless said otherwise --, ``seqs``
 sequence ids):
@@ -61,8 +61,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedlearn.errors import TraceFileError
-from pagedlearn.trace_checks import check_event, check_pool, check_replay
+from pagedlearn.trace_checks import check_replay
 from pagedlearn.trace_file import parse_trace
+from pagedlearn.trace_replay import PoolReplay  # also imported from here (pagedlearn.trace)
 
 
 @dataclass(frozen=True)
@@ -231,99 +232,6 @@ class EventLog:
         return PoolReplay.from_events(
             meta["num_blocks"], self.events[:upto], meta.get("num_cpu_blocks")
         )
-
-
-class PoolReplay:
-    """The pool rebuilt from events alone: refcounts, block tables, cached hashes and the tables
-    of swapped-out sequences (``swapped``: sequence -> CPU block ids).
-
-    It knows nothing of the manager's code; if the trace missed an operation, this state would
-    drift from the real one, which is what the tests check. An event that does not fit the pool
-    as it stands (a block outside it, a sequence it never saw, a free of a block no table holds:
-    ``check_event``) raises :class:`TraceFileError` before anything changes. ``num_cpu_blocks``:
-    the CPU pool's size, to check swapped-out tables against (unchecked when None).
-    """
-
-    def __init__(self, num_blocks: int, num_cpu_blocks: int | None = None) -> None:
-        check_pool(num_blocks, num_cpu_blocks)  # before [0] * num_blocks: a file may say 10**12
-        self.num_cpu_blocks = num_cpu_blocks
-        self.refcounts = [0] * num_blocks
-        self.tables: dict[Hashable, list[int]] = {}
-        self.swapped: dict[Hashable, list[int]] = {}  # swapped-out tables: CPU block ids
-        self.cached: dict[int, str] = {}  # block id -> hash (hex) of the KV it holds
-        self.cached_tokens: dict[int, list[int]] = {}  # block id -> the tokens of that KV
-        # As of the last ``step`` event (empty before one): tokens with KV per sequence, and
-        # what the caller said about that step (the engine: step number, requests, stats).
-        self.tokens: dict[Hashable, list[int]] = {}
-        self.step_info: dict[str, Any] = {}
-
-    @classmethod
-    def from_events(
-        cls, num_blocks: int, events: Iterable[Event], num_cpu_blocks: int | None = None
-    ) -> PoolReplay:
-        state = cls(num_blocks, num_cpu_blocks)
-        for event in events:
-            state.apply(event)
-        return state
-
-    def apply(self, e: Event) -> None:
-        """Apply one event, or raise :class:`TraceFileError` (changing nothing) if it does not
-        fit the pool as it stands."""
-        check_event(self, e)
-        rc = self.refcounts
-        if e.kind in ("allocate", "cache_hit"):
-            for b in e.blocks:
-                rc[b] += 1
-            self.tables.setdefault(e.seqs[0], []).extend(e.blocks)
-        elif e.kind == "incref":
-            for b in e.blocks:
-                rc[b] += 1
-            self.tables[e.seqs[1]] = list(e.blocks)
-        elif e.kind == "cow_copy":
-            src, dst = e.blocks
-            rc[src] -= 1
-            rc[dst] += 1
-            self.tables[e.seqs[0]][-1] = dst
-        elif e.kind == "free" and e.info.get("cpu"):  # a swapped-out sequence: GPU untouched
-            del self.swapped[e.seqs[0]]
-        elif e.kind == "free":
-            for b in e.blocks:
-                rc[b] -= 1
-            del self.tables[e.seqs[0]]
-        elif e.kind == "swap_out":
-            for b in e.blocks:
-                rc[b] -= 1
-            del self.tables[e.seqs[0]]
-            self.swapped[e.seqs[0]] = list(e.info["cpu_blocks"])
-        elif e.kind == "swap_in":
-            for b in e.blocks:
-                rc[b] += 1
-            del self.swapped[e.seqs[0]]
-            self.tables[e.seqs[0]] = list(e.blocks)
-        elif e.kind == "preempt":
-            pass  # why blocks moved; the free or swap_out events around it say how
-        elif e.kind == "step":
-            # Each entry is (sequence, position, tokens): its tokens from that position on. The
-            # sequences absent from ``num_tokens`` are gone, and are forgotten here too.
-            # The lists grow in place: a long sequence costs its new tokens per step, not all.
-            tokens = {s: self.tokens.get(s, []) for s, _ in e.info["num_tokens"]}
-            for s, start, new in e.info["new_tokens"]:
-                del tokens[s][start:]
-                tokens[s].extend(new)
-            self.tokens = tokens
-            self.step_info = {
-                k: v for k, v in e.info.items() if k not in ("num_tokens", "new_tokens")
-            }
-        elif e.kind == "cache_store":
-            self.cached[e.blocks[0]] = e.info["hash"]
-            self.cached_tokens[e.blocks[0]] = list(e.info.get("tokens", ()))
-        elif e.kind == "evict":  # a recording that began after an earlier run may evict
-            self.cached.pop(e.blocks[0], None)  # a block cached before it: never seen cached
-            self.cached_tokens.pop(e.blocks[0], None)
-
-    @property
-    def free_blocks(self) -> list[int]:
-        return [b for b, c in enumerate(self.refcounts) if c == 0]
 
 
 class StepMarker:

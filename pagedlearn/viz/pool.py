@@ -18,14 +18,19 @@ from __future__ import annotations
 
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
-from matplotlib.patches import Patch, Rectangle
+from matplotlib.patches import Rectangle
 
 from pagedlearn.errors import PagedLearnError
-from pagedlearn.viz.state import PoolState, groups_in_order, pool_state, step_label
+from pagedlearn.viz.pool_labels import (
+    MAX_LEGEND_GROUPS,
+    draw_legend,
+    pool_title,
+    shorten,
+    token_text,
+)
+from pagedlearn.viz.state import PoolState, groups_in_order, pool_state
 from pagedlearn.viz.style import (
-    CACHED_COLOR,
     FREE_COLOR,
-    MIXED_COLOR,
     OUTLINE_COLOR,
     SHARED_HATCH,
     Palette,
@@ -35,7 +40,6 @@ from pagedlearn.viz.style import (
 )
 
 PAD = 0.06  # gap around a cell, in cell widths
-MAX_LEGEND_GROUPS = 10
 # The most blocks a picture draws: a cell of 4-5 matplotlib artists each, 16 a row, so at the limit
 # a figure is 256 rows (160 inches) tall, about 0.5 GiB to draw (measured), and no reader finds a
 # block in it. The chapters draw at most 160; a trace file within its caps may describe 4 million
@@ -59,15 +63,6 @@ def check_drawable(num_blocks) -> None:
             f"MAX_DRAWN_BLOCKS = {MAX_DRAWN_BLOCKS} (one cell per block). Draw a smaller pool "
             "(LLM(..., num_blocks=...)), or raise pagedlearn.viz.pool.MAX_DRAWN_BLOCKS"
         )
-
-
-def token_text(token_ids, tokenizer=None) -> str:
-    """What a block holds, as text a reader can see: decoded by ``tokenizer`` and escaped like a
-    Python string literal (so newlines and odd bytes stay visible), or the ids without one."""
-    ids = list(token_ids)
-    if tokenizer is None:
-        return " ".join(map(str, ids))
-    return repr(tokenizer.decode(ids))
 
 
 class PoolArtist:
@@ -99,9 +94,7 @@ class PoolArtist:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         check_drawable(num_blocks)
-        per_row = default_per_row(num_blocks) if per_row is None else per_row
-        if not isinstance(per_row, int) or isinstance(per_row, bool) or per_row < 1:
-            raise ValueError(f"per_row must be a positive int, got {per_row!r}")
+        per_row = _per_row(per_row, num_blocks)
         if palette is not None and not isinstance(palette, Palette):
             raise TypeError(f"palette must be a Palette, got {type(palette).__name__}")
         self.ax, self.num_blocks, self.block_size = ax, num_blocks, block_size
@@ -169,7 +162,7 @@ class PoolArtist:
             ref.set_text(f"x{blk.refcount}" if shared else "")
         for blk, text in zip(state.blocks, self._tokens, strict=False):
             text.set_text(
-                _short(token_text(blk.token_ids, self.tokenizer)) if blk.token_ids else ""
+                shorten(token_text(blk.token_ids, self.tokenizer)) if blk.token_ids else ""
             )
         self._title.set_text(self.title if self.title is not None else pool_title(state))
         if self.legend:
@@ -183,30 +176,7 @@ class PoolArtist:
             return
         self._legend_key = key
         self.layout_version += 1  # the legend is part of the static layer: redraw that too
-        name = "request {}" if state.requests else "{}"
-        handles = [Patch(facecolor=c, label=name.format(g)) for g, c in groups]
-        if len(handles) > self.max_legend_groups:
-            more = len(handles) - self.max_legend_groups + 1
-            handles = handles[: self.max_legend_groups - 1]
-            handles.append(Patch(facecolor="none", edgecolor="none", label=f"+{more} more"))
-        handles += [
-            Patch(facecolor=MIXED_COLOR, label="several requests"),
-            Patch(
-                facecolor="#ffffff",
-                edgecolor="#000000",
-                hatch=SHARED_HATCH,
-                label="shared (x = refcount)",
-            ),
-            Patch(facecolor=CACHED_COLOR, edgecolor=OUTLINE_COLOR, label="free, cached"),
-            Patch(facecolor=FREE_COLOR, edgecolor=OUTLINE_COLOR, label="free"),
-        ]
-        self.ax.legend(
-            handles=handles,
-            loc="upper left",
-            bbox_to_anchor=(1.01, 1.0),
-            borderaxespad=0.0,
-            frameon=False,
-        )
+        draw_legend(self.ax, groups, bool(state.requests), self.max_legend_groups)
 
     # --- what is drawn, per block (for tests and for the inspection buttons) --------------------
     def face_colors(self) -> list[str]:
@@ -257,13 +227,12 @@ def default_per_row(num_blocks: int) -> int:
     return min(num_blocks, 16)
 
 
-def pool_title(state: PoolState) -> str:
-    used = state.count("used") + state.count("shared")
-    step = "" if state.step is None else f", {step_label(state)}"
-    return (
-        f"KV block pool{step}: {used} used ({state.count('shared')} shared), "
-        f"{state.count('cached')} cached, {state.count('free')} free of {state.num_blocks}"
-    )
+def _per_row(per_row, num_blocks: int) -> int:
+    """``per_row`` (by default :func:`default_per_row`), checked: a positive int."""
+    per_row = default_per_row(num_blocks) if per_row is None else per_row
+    if not isinstance(per_row, int) or isinstance(per_row, bool) or per_row < 1:
+        raise ValueError(f"per_row must be a positive int, got {per_row!r}")
+    return per_row
 
 
 def pool_figure(
@@ -280,9 +249,7 @@ def pool_figure(
     with ``legend=False``: their request list is the legend, and the picture has no band left
     empty for a legend that may grow)."""
     check_drawable(num_blocks)  # before a figure is sized for it
-    per_row = default_per_row(num_blocks) if per_row is None else per_row
-    if not isinstance(per_row, int) or isinstance(per_row, bool) or per_row < 1:
-        raise ValueError(f"per_row must be a positive int, got {per_row!r}")
+    per_row = _per_row(per_row, num_blocks)
     cell = 0.95 if show_tokens else 0.62  # inches: room for a 10 pt label (and tokens)
     rows = -(-num_blocks // per_row)
     legend_w = 2.4 if legend else 0.0  # inches on the right for the legend
@@ -360,7 +327,3 @@ def _set_hatch_color(patch, color: str) -> None:
         patch.set_hatchcolor(color)
     else:  # before, a hatch took the edge colour (the bars have no edge line: linewidth 0)
         patch.set_edgecolor(color)
-
-
-def _short(text: str, n: int = 8) -> str:
-    return text if len(text) <= n else text[: n - 1] + "…"

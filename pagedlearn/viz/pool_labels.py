@@ -1,0 +1,97 @@
+"""The words of the pool picture: its title, its legend, and the tokens a block shows.
+
+The grid (:class:`~pagedlearn.viz.pool.PoolArtist`) says everything with colour, fill and hatch;
+this module says it again in words, for a reader who does not yet know the code:
+
+- the **title** counts the blocks of each kind (used, shared, cached, free) and names the step;
+- the **legend** gives each request on screen its colour (the colour the state carries, from
+  viz/colors.py), then the fixed looks: several requests in one block, shared (hatched, with
+  ``x<refcount>``), free but cached, free. Past ``max_groups`` requests it says "+N more";
+- a block's **tokens** are decoded and escaped like a Python string literal, so that a newline
+  or an odd byte stays visible in a 1-inch cell (the inspector panel shows them the same way).
+
+>>> from pagedlearn import KVCacheManager
+>>> from pagedlearn.viz.state import pool_state
+>>> kv = KVCacheManager(num_blocks=4, block_size=2)
+>>> kv.add_sequence("a", [1, 2, 3]); kv.fork("a", "b")  # b shares a's two blocks
+0
+>>> pool_title(pool_state(kv))
+'KV block pool: 2 used (2 shared), 0 cached, 2 free of 4'
+>>> from pagedlearn.models.tokenizer import ByteTokenizer
+>>> token_text([72, 105, 10]), token_text([72, 105, 10], ByteTokenizer())
+('72 105 10', "'Hi\\\\n'")
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+
+from matplotlib.axes import Axes
+from matplotlib.patches import Patch
+
+from pagedlearn.viz.state import PoolState, step_label
+from pagedlearn.viz.style import CACHED_COLOR, FREE_COLOR, MIXED_COLOR, OUTLINE_COLOR, SHARED_HATCH
+
+MAX_LEGEND_GROUPS = 10  # requests listed by name; pool_figure fits it to the figure's height
+
+
+def pool_title(state: PoolState) -> str:
+    used = state.count("used") + state.count("shared")
+    step = "" if state.step is None else f", {step_label(state)}"
+    return (
+        f"KV block pool{step}: {used} used ({state.count('shared')} shared), "
+        f"{state.count('cached')} cached, {state.count('free')} free of {state.num_blocks}"
+    )
+
+
+def legend_handles(
+    groups: list[tuple[Hashable, str]], requests: bool, max_groups: int = MAX_LEGEND_GROUPS
+) -> list[Patch]:
+    """The legend's entries: one per ``(group, colour)`` in ``groups`` (named "request g" when
+    the groups are requests), at most ``max_groups`` of them, then the fixed looks."""
+    name = "request {}" if requests else "{}"
+    handles = [Patch(facecolor=c, label=name.format(g)) for g, c in groups]
+    if len(handles) > max_groups:
+        more = len(handles) - max_groups + 1
+        handles = handles[: max_groups - 1]
+        handles.append(Patch(facecolor="none", edgecolor="none", label=f"+{more} more"))
+    return [
+        *handles,
+        Patch(facecolor=MIXED_COLOR, label="several requests"),
+        Patch(
+            facecolor="#ffffff",
+            edgecolor="#000000",
+            hatch=SHARED_HATCH,
+            label="shared (x = refcount)",
+        ),
+        Patch(facecolor=CACHED_COLOR, edgecolor=OUTLINE_COLOR, label="free, cached"),
+        Patch(facecolor=FREE_COLOR, edgecolor=OUTLINE_COLOR, label="free"),
+    ]
+
+
+def draw_legend(
+    ax: Axes, groups: list[tuple[Hashable, str]], requests: bool, max_groups: int
+) -> None:
+    """Draw (or redraw) the legend of ``groups`` right of the grid on ``ax``."""
+    handles = legend_handles(groups, requests, max_groups)
+    ax.legend(
+        handles=handles,
+        loc="upper left",
+        bbox_to_anchor=(1.01, 1.0),
+        borderaxespad=0.0,
+        frameon=False,
+    )
+
+
+def token_text(token_ids, tokenizer=None) -> str:
+    """What a block holds, as text a reader can see: decoded by ``tokenizer`` and escaped like a
+    Python string literal (so newlines and odd bytes stay visible), or the ids without one."""
+    ids = list(token_ids)
+    if tokenizer is None:
+        return " ".join(map(str, ids))
+    return repr(tokenizer.decode(ids))
+
+
+def shorten(text: str, n: int = 8) -> str:
+    """``text`` cut to ``n`` characters, the last one an ellipsis (what fits in a cell)."""
+    return text if len(text) <= n else text[: n - 1] + "…"
