@@ -17,6 +17,8 @@ wrong (``blocks[2] is -1, not a block id of this pool (0..11)``); the caller add
 
 from __future__ import annotations
 
+from collections.abc import Hashable
+
 MAX_TRACE_CHARS = 32 * 2**20  # the JSON text (json.loads may take up to ~20x that in memory)
 MAX_EVENTS = 2**20
 MAX_NUM_BLOCKS = 2**22  # a GPU pool (and a CPU pool); the replay keeps one int per block
@@ -62,10 +64,10 @@ def check_name(v, what: str) -> int | str:
 
 
 def check_hashable(v, what: str):
-    try:
-        hash(v)
-    except TypeError:
-        raise Problem(f"{what} is {show(v)}: a sequence id must be hashable") from None
+    """A sequence id of a trace recorded in this process: any hashable (the engine keyed its
+    tables by it already, so the type check is enough)."""
+    if not isinstance(v, Hashable):
+        raise Problem(f"{what} is {show(v)}: a sequence id must be hashable")
     return v
 
 

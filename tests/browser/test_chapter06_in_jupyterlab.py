@@ -49,7 +49,8 @@ from __future__ import annotations
 import time
 
 import pytest
-from lab_driver import BROKEN, WIDGET_MIME, NotebookPage, changed, pixels, problems
+
+from .lab_driver import BROKEN, WIDGET_MIME, NotebookPage, changed, pixels, problems
 
 pytestmark = pytest.mark.browser
 
