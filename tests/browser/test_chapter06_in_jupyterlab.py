@@ -46,6 +46,7 @@ printed: look at them when a test fails.
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -170,3 +171,32 @@ def test_play_animates_a_request_added_in_a_new_cell(notebook, shots):
     assert changed(before, pixels(picture)), "the picture after Play is the one before"
     notebook.kernel_idle()
     _no_new_errors(notebook, before_errors)
+
+
+def test_every_block_of_the_inspector_can_be_reached_in_a_normal_window(notebook, shots):
+    """The "Inspect a block" grid wraps inside the notebook, at a laptop's window size with the
+    file browser open: no block button is cut off on the right (the issue: blocks 13-15 and 29
+    were unreachable, with no scrollbar)."""
+    page = notebook.page
+    size = page.viewport_size
+    page.set_viewport_size({"width": 1280, "height": 900})
+    try:
+        view = _live_view(notebook)
+        buttons = view.get_by_role("button", name=re.compile(r"^\d+$"))
+        notebook.until(buttons.count, ANSWER_S, "the live view shows its block buttons")
+        right = view.bounding_box()["x"] + view.bounding_box()["width"]
+        cut = []
+        for i in range(buttons.count()):
+            box = buttons.nth(i).bounding_box()
+            if box is None or box["x"] + box["width"] > right + 1:
+                cut.append(buttons.nth(i).inner_text())
+        _shoot(notebook, shots / "chapter06_inspector_1280.png")
+        assert buttons.count() >= 30 and not cut, f"block buttons cut off on the right: {cut}"
+        buttons.last.click()  # the last block answers a click: the inspector names it
+        notebook.until(
+            lambda: f"block {buttons.count() - 1}" in (view.text_content() or "").lower(),
+            ANSWER_S,
+            "the inspector shows the last block after a click",
+        )
+    finally:
+        page.set_viewport_size(size)
