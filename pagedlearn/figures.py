@@ -15,9 +15,9 @@ seeded and offline, so that running the command twice gives the same pictures:
 - ``paper_*.png``, ``prefix_caching.png``: the paper's memory figures (``python -m pagedlearn
   paper``), unless ``--no-paper``.
 
-``--quick`` runs smaller simulations, whose pictures differ from the committed ones: it writes
-them into a new temporary directory (printed) unless ``--out DIR`` says where, so that
-``figures/`` keeps what the README describes.
+``--quick`` runs smaller simulations, whose pictures differ from the committed ones: the command
+then writes them into a new temporary directory (printed) unless ``--out DIR`` says where, so
+that ``figures/`` keeps what the README describes. (:func:`make_figures` writes where it is told.)
 """
 
 from __future__ import annotations

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import copy
 
 import ipywidgets as w
 
@@ -84,9 +83,9 @@ class LiveBlockView(PoolView):
             [self.play_button, self.pause_button, self.step_button, self.speed]
         )
         self._unsubscribe = engine.kv.trace.subscribe(self._on_event)
-        # The pool as it is now is not a frame of the run (no step event): colour it on a copy
-        # of the palette, so that the run's own frames decide, as in its replay.
-        self._show(copy.deepcopy(self.palette).paint(pool_state(engine)))
+        # The pool as it is now is not a frame of the run (no step event): a palette of its own
+        # colours it, so that the run's own frames decide ``self.palette``, as in its replay.
+        self._show(Palette().paint(pool_state(engine)))
 
     def _show(self, state: PoolState) -> None:
         self._draw(state, self._book.update(state))
@@ -184,8 +183,8 @@ class LiveBlockView(PoolView):
 
 def __getattr__(name: str):
     # ReplayView lived here before it got its own module; old imports keep working.
-    if name in ("ReplayView", "_load_log"):
-        from pagedlearn.viz import replay
+    if name == "ReplayView":
+        from pagedlearn.viz.replay import ReplayView
 
-        return getattr(replay, name)
+        return ReplayView
     raise AttributeError(f"module 'pagedlearn.viz.live' has no attribute {name!r}")

@@ -1,6 +1,6 @@
-"""The text panels beside the pool picture: stats line, request list, block inspector.
+"""The text panels beside the pool picture: stats line, key, request list, block inspector.
 
-Both views (:mod:`pagedlearn.viz.live`) show them; each is a pure function of a
+Both views show them (laid out by :mod:`pagedlearn.viz.view`); each is a pure function of a
 :class:`~pagedlearn.viz.state.PoolState`, so a replay shows the same text the live view showed.
 """
 
@@ -9,14 +9,9 @@ from __future__ import annotations
 import html
 from dataclasses import replace
 
-from pagedlearn.viz.pool import token_text
+from pagedlearn.viz.pool_labels import FIXED_LOOKS, token_text
 from pagedlearn.viz.state import PoolState, RequestState, step_label
-from pagedlearn.viz.style import (
-    CACHED_COLOR,
-    FREE_COLOR,
-    MIXED_COLOR,
-    OUTLINE_COLOR,
-)
+from pagedlearn.viz.style import OUTLINE_COLOR
 
 MAX_FINISHED_ROWS = 20
 # nowrap (inherited by every cell): a request name never breaks mid-word
@@ -104,10 +99,10 @@ def swatch(color: str | None) -> str:
 
 
 def key_html() -> str:
-    """What the uncoloured looks mean (the live views' picture has no legend of its own: the
-    request list beside it gives each request's colour)."""
+    """What the uncoloured looks mean, as the static pictures' legend lists them (the live views'
+    picture has no legend of its own: the request list beside it gives each request's colour)."""
 
-    def box(fill: str, label: str, hatch: bool = False) -> str:
+    def box(fill: str, label: str, hatch: bool) -> str:
         bg = f"repeating-linear-gradient(135deg,#000 0 1px,{fill} 1px 4px)" if hatch else fill
         return (
             f"<span style='display:inline-block;width:12px;height:12px;margin:0 3px 0 10px;"
@@ -115,28 +110,16 @@ def key_html() -> str:
             f"{label}"
         )
 
-    return (
-        "<span style='white-space:nowrap'>"
-        + "".join(
-            [
-                box(MIXED_COLOR, "several requests"),
-                box("#ffffff", "shared (x = refcount)", hatch=True),
-                box(CACHED_COLOR, "free, cached"),
-                box(FREE_COLOR, "free"),
-            ]
-        )
-        + "</span>"
-    )
+    boxes = "".join(box(fill, label, bool(hatch)) for fill, _, hatch, label in FIXED_LOOKS)
+    return f"<span style='white-space:nowrap'>{boxes}</span>"
 
 
-def requests_html(state: PoolState, finished: list[RequestState], palette=None) -> str:
+def requests_html(state: PoolState, finished: list[RequestState]) -> str:
     """The request list: live requests as the state lists them (in their colour), then those
     finished so far (hollow grey: they hold no colour any more, it may be a newcomer's now). A
     manager driven by hand has no requests: then its sequences, grouped as the pictures colour
-    them. Colours: ``state.colors``; a state without them is coloured by ``palette`` (a
-    :class:`~pagedlearn.viz.colors.Palette`, which observes it), else shows hollow squares."""
-    if not state.colors and palette is not None:
-        state = palette.paint(state)
+    them. Colours: ``state.colors`` (both views draw painted states; without colours, hollow
+    squares)."""
     if not state.requests and not finished:
         return _sequences_html(state)
     live = [r for r in state.requests if r.status != "finished"]

@@ -28,7 +28,7 @@ from pagedlearn.viz.pool_labels import (
     shorten,
     token_text,
 )
-from pagedlearn.viz.state import PoolState, groups_in_order, pool_state
+from pagedlearn.viz.state import PoolState, pool_state
 from pagedlearn.viz.style import (
     FREE_COLOR,
     OUTLINE_COLOR,
@@ -46,8 +46,6 @@ PAD = 0.06  # gap around a cell, in cell widths
 # (trace_limits.py), a GPU engine sized by memory tens of thousands. Read at each call: a course
 # may raise it (pagedlearn.viz.pool.MAX_DRAWN_BLOCKS = ...).
 MAX_DRAWN_BLOCKS = 4096
-__all__ = ["MAX_DRAWN_BLOCKS", "PoolArtist", "PoolTooLargeError", "check_drawable",
-           "draw_block_pool", "groups_in_order", "pool_figure", "token_text"]  # fmt: skip
 
 
 class PoolTooLargeError(PagedLearnError, ValueError):
@@ -74,8 +72,9 @@ class PoolArtist:
     characters of each block's tokens (decoded with ``tokenizer``, else ids) -- for small pools.
     ``legend``: draw the legend right of the grid (the live views list requests beside it).
 
-    After an update, :meth:`face_colors`, :meth:`fill_fractions`, :meth:`hatches` and
-    :meth:`labels` say what is drawn for each block (tests compare them with the state).
+    After an update, :attr:`block_colors` holds each block's colour (the live views paint their
+    block buttons with it), and :meth:`face_colors`, :meth:`fill_fractions`, :meth:`hatches` and
+    :meth:`labels` read back what is drawn for each block (tests compare them with the state).
     """
 
     def __init__(
@@ -103,6 +102,7 @@ class PoolArtist:
         self.show_tokens, self.tokenizer, self.legend = show_tokens, tokenizer, legend
         self.title: str | None = None  # None: a title that counts the blocks of each kind
         self.state: PoolState | None = None
+        self.block_colors: list[str] = []  # each block's colour as of the last update
         self.rows = -(-num_blocks // per_row)
         self._legend_key = None
         self.layout_version = 0
@@ -152,8 +152,10 @@ class PoolArtist:
             state = self.palette.paint(state)
         colors = state.colors
         group_of = {s: state.group_of(s) for s in state.tables}.__getitem__  # once per sequence
-        for blk, bar, ref in zip(state.blocks, self._bars, self._refs, strict=True):
-            color = block_color(blk, group_of, colors)
+        self.block_colors = [block_color(blk, group_of, colors) for blk in state.blocks]
+        for blk, color, bar, ref in zip(
+            state.blocks, self.block_colors, self._bars, self._refs, strict=True
+        ):
             bar.set_facecolor(color)
             bar.set_width(self._bar_w * blk.num_tokens / self.block_size)
             shared = blk.refcount > 1
@@ -253,12 +255,10 @@ def pool_figure(
     cell = 0.95 if show_tokens else 0.62  # inches: room for a 10 pt label (and tokens)
     rows = -(-num_blocks // per_row)
     legend_w = 2.4 if legend else 0.0  # inches on the right for the legend
-    # With a legend: tall enough for its 4 fixed entries and a few requests, 0.25 inch each.
     grid_h = rows * cell
-    if legend:
-        width, height = max(per_row * cell + legend_w + 0.3, 7.5), max(grid_h, 2.25) + 0.6
-    else:
-        width, height = max(per_row * cell + 0.3, 7.5), grid_h + 0.6
+    # With a legend: tall enough for its 4 fixed entries and a few requests, 0.25 inch each.
+    width = max(per_row * cell + legend_w + 0.3, 7.5)
+    height = (max(grid_h, 2.25) if legend else grid_h) + 0.6
     fig = Figure(figsize=(width, height))
     bottom = (height - 0.5 - grid_h) / height  # the grid hangs from the top, under the title
     ax = fig.add_axes((0.15 / width, bottom, per_row * cell / width, grid_h / height))

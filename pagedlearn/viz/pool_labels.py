@@ -33,6 +33,14 @@ from pagedlearn.viz.state import PoolState, step_label
 from pagedlearn.viz.style import CACHED_COLOR, FREE_COLOR, MIXED_COLOR, OUTLINE_COLOR, SHARED_HATCH
 
 MAX_LEGEND_GROUPS = 10  # requests listed by name; pool_figure fits it to the figure's height
+# The looks of blocks that no one request colours, as the legend (and the live views' key beside
+# their picture, viz/panels.py) list them: (fill, edge, hatch, label).
+FIXED_LOOKS = (
+    (MIXED_COLOR, None, None, "several requests"),
+    ("#ffffff", "#000000", SHARED_HATCH, "shared (x = refcount)"),
+    (CACHED_COLOR, OUTLINE_COLOR, None, "free, cached"),
+    (FREE_COLOR, OUTLINE_COLOR, None, "free"),
+)
 
 
 def pool_title(state: PoolState) -> str:
@@ -55,18 +63,8 @@ def legend_handles(
         more = len(handles) - max_groups + 1
         handles = handles[: max_groups - 1]
         handles.append(Patch(facecolor="none", edgecolor="none", label=f"+{more} more"))
-    return [
-        *handles,
-        Patch(facecolor=MIXED_COLOR, label="several requests"),
-        Patch(
-            facecolor="#ffffff",
-            edgecolor="#000000",
-            hatch=SHARED_HATCH,
-            label="shared (x = refcount)",
-        ),
-        Patch(facecolor=CACHED_COLOR, edgecolor=OUTLINE_COLOR, label="free, cached"),
-        Patch(facecolor=FREE_COLOR, edgecolor=OUTLINE_COLOR, label="free"),
-    ]
+    fixed = [Patch(facecolor=f, edgecolor=e, hatch=h, label=t) for f, e, h, t in FIXED_LOOKS]
+    return handles + fixed
 
 
 def draw_legend(

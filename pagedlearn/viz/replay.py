@@ -25,7 +25,7 @@ from pagedlearn.errors import TraceFileError
 from pagedlearn.trace import EventLog
 from pagedlearn.viz.panels import RequestBook
 from pagedlearn.viz.pool import check_drawable
-from pagedlearn.viz.state import PoolState, replay_states
+from pagedlearn.viz.state import PoolState, aborted, replay_states
 from pagedlearn.viz.view import PoolView
 
 
@@ -34,8 +34,7 @@ def frame_name(state: PoolState, index: int) -> str:
     for a frame a manager marked without a step number."""
     if state.step is None:
         return f"mark {index + 1}"
-    aborted = any(r.finish_reason == "abort" for r in state.requests if r.status == "finished")
-    return f"{state.step}" + (" (abort)" if aborted else "")
+    return f"{state.step}" + (" (abort)" if aborted(state) else "")
 
 
 class ReplayView(PoolView):

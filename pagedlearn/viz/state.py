@@ -115,18 +115,24 @@ def groups_in_order(state: PoolState) -> list[Hashable]:
     return list(seen)
 
 
+def aborted(state: PoolState) -> list[str]:
+    """The requests an abort finished in this frame: an abort between two steps records a frame
+    of its own, after step S and numbered S too."""
+    return [
+        str(r.request_id)
+        for r in state.requests
+        if r.status == "finished" and r.finish_reason == "abort"
+    ]
+
+
 def step_label(state: PoolState) -> str | None:
     """What every picture and widget calls a frame: ``"step S"``, S the engine's step counter
     (or the ``step=`` a hand-driven manager marked), plus ``" (abort: r)"`` for the extra frame
     an abort records after step S. ``None`` for a frame marked without a step number."""
     if state.step is None:
         return None
-    aborted = [
-        str(r.request_id)
-        for r in state.requests
-        if r.status == "finished" and r.finish_reason == "abort"
-    ]
-    return f"step {state.step}" + (f" (abort: {', '.join(aborted)})" if aborted else "")
+    names = aborted(state)
+    return f"step {state.step}" + (f" (abort: {', '.join(names)})" if names else "")
 
 
 def _request_of(seq_id: Hashable) -> Hashable:

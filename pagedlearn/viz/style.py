@@ -25,7 +25,7 @@ import matplotlib
 from matplotlib.colors import to_rgb
 
 from pagedlearn.sim import plots  # the paper figures' fonts: one look everywhere
-from pagedlearn.viz.colors import OKABE_ITO, TOL_MUTED, Palette  # noqa: F401 (re-exported)
+from pagedlearn.viz.colors import OKABE_ITO, Palette  # noqa: F401 (their old home: re-exported)
 
 FREE_COLOR = "#ffffff"
 CACHED_COLOR = "#d9d9d9"  # light grey: free, but its KV is still a findable prefix

@@ -4,10 +4,11 @@ Laid out top to bottom, so that it fits a normal notebook column and nothing is 
 
     [controls: Play / Pause / Step / delay, or play / step slider]
     [the pool picture: a PNG of PoolArtist, no legend -- it would leave a band that may grow]
-    [key: several requests / shared / free, cached / free]   [stats line: step, blocks, queues]
+    [stats line: step, blocks, queues]   [key: several requests / shared / free, cached / free]
+    [a message: what to do next, or the error a step raised]
     [request list: the legend, one coloured row each]  [Inspect a block: buttons that wrap]
 
-The two panels of the last row wrap under each other in a narrow window, and the block buttons
+The panels of a row wrap under each other in a narrow window, and the block buttons
 wrap onto as many rows as the width allows. The picture is drawn by blitting: the static layer
 (outlines, ids) once, then only what a frame changes (see ``last_draw_seconds``).
 """
@@ -29,7 +30,7 @@ from PIL import Image
 from pagedlearn.viz.panels import inspect_block, key_html, requests_html, stats_html
 from pagedlearn.viz.pool import pool_figure
 from pagedlearn.viz.state import PoolState, RequestState
-from pagedlearn.viz.style import STYLE, block_color, text_color
+from pagedlearn.viz.style import STYLE, text_color
 
 DPI = 80
 MAX_BUTTONS = 128  # larger pools get a block-id box instead of one button per block
@@ -113,9 +114,8 @@ class PoolView:
         self.image.value = png
         self.stats.value = stats_html(state)
         self.requests.value = requests_html(state, finished)
-        for blk, button in zip(state.blocks, self.block_buttons, strict=False):
-            color = block_color(blk, state.group_of, state.colors)
-            button.style.button_color = color
+        for color, button in zip(self.artist.block_colors, self.block_buttons, strict=False):
+            button.style.button_color = color  # the picture's colour, not computed again
             button.style.text_color = text_color(color)
         if self.selected is not None:
             self.select(self.selected)
