@@ -51,3 +51,13 @@ class TraceFileError(PagedLearnError, ValueError):
     ``event 7 (free): frees sequence 'b', which is not in the pool (...)``. A replay that raises
     it has not applied that event. It is also a ``ValueError``, as a replay's errors were before.
     """
+
+
+def add_note(exc: BaseException, text: str) -> None:
+    """Attach ``text`` to ``exc`` (PEP 678): the traceback prints it under the error. Python
+    3.10 has no ``add_note``; there the note still goes in ``exc.__notes__``, where code and
+    tests can read it (the traceback does not print it)."""
+    if hasattr(exc, "add_note"):  # Python 3.11+
+        exc.add_note(text)
+    else:
+        exc.__notes__ = [*getattr(exc, "__notes__", ()), text]

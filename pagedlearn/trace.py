@@ -60,7 +60,7 @@ from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedlearn.errors import TraceFileError
+from pagedlearn.errors import TraceFileError, add_note
 from pagedlearn.trace_checks import check_replay
 from pagedlearn.trace_file import parse_trace
 from pagedlearn.trace_replay import PoolReplay  # also imported from here (pagedlearn.trace)
@@ -86,10 +86,6 @@ class Event:
             "seqs": seqs,
             "info": self.info,
         }
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Event:
-        return cls(d["index"], d["kind"], tuple(d["blocks"]), tuple(d["seqs"]), d.get("info", {}))
 
 
 Subscriber = Callable[[Event], None]
@@ -152,7 +148,7 @@ class Trace:
             return
         self.held_error, self._more_held = None, 0
         if more:
-            _note(exc, f"pagedlearn: {more} more subscriber error(s) were caught after it")
+            add_note(exc, f"pagedlearn: {more} more subscriber error(s) were caught after it")
         raise exc
 
     def _hold(self, fn: Subscriber, event: Event, exc: Exception) -> None:
@@ -162,7 +158,7 @@ class Trace:
         self.held_error = exc
         name = getattr(fn, "__qualname__", None) or type(fn).__qualname__  # a callable object
         where = f"event {event.index} ({event.kind})"
-        _note(
+        add_note(
             exc,
             f"pagedlearn: trace subscriber {name} raised this at {where}; every subscriber "
             "got that event and the block manager finished its operation: the error was held "
@@ -179,11 +175,6 @@ class Trace:
                     RuntimeWarning,
                     stacklevel=3,  # the line that emitted the event
                 )
-
-
-def _note(exc: BaseException, text: str) -> None:
-    if hasattr(exc, "add_note"):  # Python 3.11+
-        exc.add_note(text)
 
 
 class EventLog:

@@ -4,9 +4,11 @@
 replay that raises stays as it was after the event before. The rules (what each kind means: the
 table in :mod:`pagedlearn.trace`):
 
+- a known kind, with as many blocks and sequences as it takes (``trace_file.SHAPES``);
 - block ids lie in the pool, CPU ids (swapped-out tables) in the CPU pool when its size is known;
 - a sequence that is freed, forked, copied on write or swapped exists where the event says (on
-  the GPU, or swapped out); a fork's child and an allocation's owner are not somewhere else;
+  the GPU, or swapped out); a fork's child is new (not its parent), an allocation's owner is
+  not swapped out;
 - ``allocate`` and the copy of a ``cow_copy`` take free blocks (refcount 0), ``evict`` only free
   ones (a block the replay never saw cached may be evicted: a recording that began after an
   earlier run evicts what that run cached); a ``free`` or ``swap_out`` names exactly the
@@ -16,7 +18,7 @@ table in :mod:`pagedlearn.trace`):
 
 A trace recorded here obeys them all; a file that breaks one was edited, truncated, or recorded
 after the run it describes had started (an event then names a sequence the replay never saw).
-:func:`check_replay` replays a whole file once at load (trace_file.py checked its shape first)
+:func:`check_replay` replays a whole file once at load (trace_file.py checked its types first)
 and also bounds what a viewer will build from it: one picture of the pool per ``step`` event.
 """
 
@@ -24,7 +26,7 @@ from __future__ import annotations
 
 from pagedlearn import trace_limits
 from pagedlearn.errors import TraceFileError
-from pagedlearn.trace_file import SHAPES, check_shape, check_token_lists
+from pagedlearn.trace_file import SHAPES, check_token_lists
 from pagedlearn.trace_limits import (
     Problem,
     above_cap,
@@ -63,7 +65,7 @@ def _check_fits(replay, e) -> None:
         isinstance(x, (tuple, list)) for x in (e.blocks, e.seqs)
     ):
         raise Problem("an Event holds a tuple of blocks, a tuple of sequences and a dict of info")
-    check_shape(kind, e.blocks, e.seqs)
+    _check_shape(kind, e.blocks, e.seqs)
     on_cpu = kind == "free" and info.get("cpu")
     ncpu = trace_limits.MAX_NUM_BLOCKS if replay.num_cpu_blocks is None else replay.num_cpu_blocks
     for i, b in enumerate(e.blocks):
@@ -77,13 +79,14 @@ def _check_fits(replay, e) -> None:
                 raise Problem(
                     f"takes block {b}, which is in use (refcount {rc[b]}): not a free block"
                 )
-    if kind in ("allocate", "cache_hit", "cow_copy", "swap_in") and len(set(e.blocks)) != len(
-        e.blocks
-    ):  # a block table never holds a block twice
+    twice = len(set(e.blocks)) != len(e.blocks)  # a block table never holds a block twice
+    if twice and kind in ("allocate", "cache_hit", "cow_copy", "swap_in"):
         raise Problem("names a block twice")
     if kind == "incref":
         parent, child = e.seqs
         table = _gpu_table(replay, parent, "forks")
+        if child == parent:
+            raise Problem(f"forks sequence {parent!r} into itself")
         if child in replay.tables or child in replay.swapped:
             raise Problem(f"forks into sequence {child!r}, which already exists")
         if list(e.blocks) != table:
@@ -102,9 +105,14 @@ def _check_fits(replay, e) -> None:
         if sorted(e.blocks) != sorted(table):
             raise Problem(f"names blocks {show(list(e.blocks))}, not the table of {s!r}")
     if kind in ("swap_out", "swap_in"):
-        cpu_blocks = info.get("cpu_blocks")
+        if "cpu_blocks" not in info:
+            raise Problem("info.cpu_blocks is missing")
+        cpu_blocks = info["cpu_blocks"]
         if type(cpu_blocks) is not list or len(cpu_blocks) != len(e.blocks):
-            raise Problem("info.cpu_blocks must list one CPU block per GPU block")
+            raise Problem(
+                f"info.cpu_blocks is {show(cpu_blocks)}: it must list one CPU block per GPU "
+                f"block ({len(e.blocks)})"
+            )
         for i, b in enumerate(cpu_blocks):
             check_block_id(b, f"info.cpu_blocks[{i}]", ncpu, True)
         if kind == "swap_in" and replay.swapped.get(s) != cpu_blocks:
@@ -119,6 +127,16 @@ def _check_fits(replay, e) -> None:
         raise Problem(f"evicts block {b}, which is in use (refcount {rc[b]}): only free blocks are")
     elif kind == "step":
         _check_step_counts(replay, info)
+
+
+def _check_shape(kind: str, blocks, seqs) -> None:
+    """As many blocks and sequences as an event of ``kind`` takes (:data:`SHAPES`)."""
+    num_blocks, num_seqs = SHAPES[kind]
+    a = "an" if kind[0] in "aeiou" else "a"
+    if num_blocks is not None and len(blocks) != num_blocks:
+        raise Problem(f"has {len(blocks)} blocks; {a} {kind} event has {num_blocks}")
+    if num_seqs is not None and len(seqs) != num_seqs:
+        raise Problem(f"has {len(seqs)} sequences; {a} {kind} event has {num_seqs}")
 
 
 def _gpu_table(replay, s, verb: str) -> list[int]:

@@ -1,4 +1,4 @@
-"""Reading a trace file you did not write: sizes and shape, checked before anything is built.
+"""Reading a trace file you did not write: sizes and types, checked before anything is built.
 
 A trace file is data from someone else -- a classmate, an instructor, a web page -- so
 :meth:`~pagedlearn.trace.EventLog.from_json` checks it in three layers and raises
@@ -10,14 +10,14 @@ replays, by the event's own index):
    of events, the pool (``num_blocks``, ``block_size``), ids, strings and token lists stay under
    caps, so that a ten-line file cannot ask for a pool of 10**12 blocks. Nothing is allocated in
    proportion to a number read from the file before that number passed its cap.
-2. **Shape** (here): the top level is ``{"meta": {...}, "events": [...]}``; each event has an
-   ``index`` (one more than the event before it), a known ``kind``, as many ``blocks`` and
-   ``seqs`` as that kind takes (:data:`SHAPES`; what they mean: the table in
-   :mod:`pagedlearn.trace`), ints where ids go, and the ``info`` fields that the replay and the
-   pictures read.
-3. **Meaning** (:mod:`pagedlearn.trace_checks`): replayed once at load, every event must fit the
-   pool as it stands -- block ids in the pool, sequences known, no refcount below zero -- and the
-   frames a viewer builds from the file stay under a budget.
+2. **Types** (here): the top level is ``{"meta": {...}, "events": [...]}``; each event has an
+   ``index`` (one more than the event before it), a known ``kind`` (:data:`SHAPES`; what each
+   means: the table in :mod:`pagedlearn.trace`), a list of ``blocks``, a list of ``seqs`` (ints
+   or strings), and ``info`` fields of the types that the replay and the pictures read.
+3. **Meaning** (:mod:`pagedlearn.trace_checks`, the checks every replay makes, of a file or of
+   events in memory): replayed once at load, every event must fit the pool as it stands -- as
+   many blocks and sequences as its kind takes, block ids in the pool, sequences known, no
+   refcount below zero -- and the frames a viewer builds from the file stay under a budget.
 
 A trace recorded in this process (``kv.record()``) is built by the manager and skips layers 1-2.
 
@@ -28,7 +28,7 @@ A trace recorded in this process (``kv.record()``) is built by the manager and s
 ...     EventLog.from_json(text)
 ... except TraceFileError as e:
 ...     print(e)
-events[0] (allocate): blocks[0] is -1, not a block id of this pool (0..3)
+event 0 (allocate): blocks[0] is -1, not a block id of this pool (0..3)
 """
 
 from __future__ import annotations
@@ -43,7 +43,6 @@ from pagedlearn.trace_limits import (
     Problem,
     above_cap,
     check_hashable,
-    check_ids,
     check_int,
     check_list,
     check_name,
@@ -53,7 +52,7 @@ from pagedlearn.trace_limits import (
     show,
 )
 
-# kind -> (how many blocks, how many sequences) it takes; None: any number.
+# kind -> (how many blocks, how many sequences) it takes; None: any number (trace_checks.py).
 SHAPES = {
     "allocate": (None, 1),
     "cache_hit": (None, 1),
@@ -144,45 +143,24 @@ def _event_fields(d, expected: int | None, meta: dict) -> tuple:
         )
     if type(info) is not dict:
         raise Problem(f"info is {show(info)}, not an object")
-    cpu = kind == "free" and "cpu" in info
-    if cpu and type(info["cpu"]) is not bool:
+    if kind == "free" and type(info.get("cpu", False)) is not bool:
         raise Problem(f"info.cpu is {show(info['cpu'])}, not true or false")
-    blocks = check_ids(d["blocks"], "blocks", meta, cpu=cpu and info["cpu"])
-    seqs = d["seqs"]
+    blocks, seqs = check_list(d["blocks"], "blocks"), d["seqs"]  # ids in the pool: the replay
     if type(seqs) is not list:
         raise Problem(f"seqs is {show(seqs)}, not a list of sequence ids")
     for i, s in enumerate(seqs):
         check_name(s, f"seqs[{i}]")
-    check_shape(kind, blocks, seqs)
-    if kind == "incref" and seqs[0] == seqs[1]:
-        raise Problem(f"forks sequence {seqs[0]!r} into itself")
     if kind == "cache_store":
         check_string(info.get("hash"), "info.hash")
         if "tokens" in info:
             check_tokens(info["tokens"], "info.tokens", meta["block_size"])
     elif kind == "evict" and "hash" in info:
         check_string(info["hash"], "info.hash")
-    elif kind in ("swap_out", "swap_in"):
-        if "cpu_blocks" not in info:
-            raise Problem("info.cpu_blocks is missing")
-        cpu_blocks = check_ids(info["cpu_blocks"], "info.cpu_blocks", meta, cpu=True)
-        if len(cpu_blocks) != len(blocks):
-            raise Problem(f"moves {len(blocks)} blocks but names {len(cpu_blocks)} CPU blocks")
     elif kind == "preempt" and "mode" in info:
         check_string(info["mode"], "info.mode")
     elif kind == "step":
         _check_step_info(info)
     return index, kind, tuple(blocks), tuple(seqs), info
-
-
-def check_shape(kind: str, blocks, seqs) -> None:
-    """As many blocks and sequences as an event of ``kind`` takes (:data:`SHAPES`)."""
-    num_blocks, num_seqs = SHAPES[kind]
-    a = "an" if kind[0] in "aeiou" else "a"
-    if num_blocks is not None and len(blocks) != num_blocks:
-        raise Problem(f"has {len(blocks)} blocks; {a} {kind} event has {num_blocks}")
-    if num_seqs is not None and len(seqs) != num_seqs:
-        raise Problem(f"has {len(seqs)} sequences; {a} {kind} event has {num_seqs}")
 
 
 def _check_step_info(info: dict) -> None:

@@ -83,17 +83,6 @@ def check_list(v, what: str) -> list:
     return v
 
 
-def check_ids(v, what: str, meta: dict, cpu: bool = False) -> list[int]:
-    """A list of block ids of the GPU pool (or, ``cpu``, of the CPU pool when meta sizes it)."""
-    n = meta.get("num_cpu_blocks", MAX_NUM_BLOCKS) if cpu else meta["num_blocks"]
-    check_list(v, what)
-    if all(type(b) is int for b in v) and (not v or (min(v) >= 0 and max(v) < n)):
-        return v  # the common case, in two C-speed passes
-    for i, b in enumerate(v):
-        check_block_id(b, f"{what}[{i}]", n, cpu)
-    return v
-
-
 def check_block_id(b, what: str, n: int, cpu: bool) -> None:
     if type(b) is not int or not 0 <= b < n:
         pool = "the CPU pool" if cpu else "this pool"

@@ -220,7 +220,7 @@ def test_the_issues_negative_block_id_is_refused_and_changes_nothing():
             "events": [{"index": 0, "kind": "allocate", "blocks": [-1], "seqs": ["a"]}],
         }
     )
-    with pytest.raises(TraceFileError, match=r"^events\[0\] \(allocate\): blocks\[0\] is -1"):
+    with pytest.raises(TraceFileError, match=r"^event 0 \(allocate\): blocks\[0\] is -1"):
         EventLog.from_json(text)
     replay = PoolReplay(4)
     with pytest.raises(TraceFileError, match=r"event 0 \(allocate\): blocks\[0\] is -1"):
@@ -254,10 +254,10 @@ DROP = object()
         (set_(["events", 0, "blocks", 1], 2.0), r"blocks\[1\] is 2.0, not a block id"),
         (set_(["events", 0, "blocks", 1], 6), r"blocks\[1\] is 6, not a block id of this pool"),
         (set_(["events", 10, "seqs", 0], None), r"^events\[10\] \(free\): seqs\[0\] is None: an"),
-        (set_(["events", 4, "info"], DROP), r"^events\[4\] \(swap_out\): info.cpu_blocks is mis"),
+        (set_(["events", 4, "info"], DROP), r"^event 4 \(swap_out\): info.cpu_blocks is miss"),
         (set_(["events", 4, "info", "cpu_blocks", 0], 4), r"cpu_blocks\[0\] is 4, not a CPU block"),
         (set_(["events", 5, "index"], 7), r"^events\[5\] \(swap_out\): index is 7, expected 5"),
-        (set_(["events", 3, "seqs", 1], "a"), r"^events\[3\] \(incref\): forks sequence 'a' into"),
+        (set_(["events", 3, "seqs", 1], "a"), r"^event 3 \(incref\): forks sequence 'a' into it"),
         (set_(["events", 11, "info", "new_tokens"], [["zz", 0, []]]), r"tokens of sequence 'zz'"),
         (set_(["events", 11, "info", "num_tokens"], {}), r"info.num_tokens is an object"),
         (set_(["meta", "num_blocks"], 10**12), r"^meta: num_blocks is 1000000000000, above the"),

@@ -122,5 +122,5 @@ def _why_never(engine, n: int, params: SamplingParams | BeamSearchParams) -> str
             f"{q.max_num_batched_tokens} and enable_chunked_prefill=False"
         )
     if params.n > q.max_num_seqs:
-        return f"it asks for {params.n} sequences, more than max_num_seqs"
+        return f"it asks for {params.n} sequences, more than max_num_seqs={q.max_num_seqs}"
     return None

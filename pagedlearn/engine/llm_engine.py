@@ -136,9 +136,6 @@ class LLMEngine:
         in a step that raised (the next step hands them out)."""
         return self.scheduler.has_work() or bool(self._undelivered)
 
-    def _fail(self, req: Request) -> RequestOutput:  # recovery.py fails requests through this
-        return fail(self, req)
-
     # --- observers ----------------------------------------------------------------------------
     def subscribe_stats(self, fn: Callable[[StepStats], None]) -> Callable[[], None]:
         """Call ``fn(stats)`` after every step; returns a function that unsubscribes."""

@@ -47,8 +47,8 @@ Requests that finished in a step that then raised have their outputs handed out 
 (invariants.py, O(pool), only after a fault). If they fail -- only an exception raised *inside* a
 block-manager operation can do that, e.g. a monkeypatched allocator, or a ``KeyboardInterrupt``
 a trace subscriber raises itself (a subscriber's ``Exception`` is held back by the trace until
-the step's end: trace.py) -- the pool cannot be
-trusted: every request is failed with the reason and the engine refuses new work (``broken``).
+the step's end: trace.py) -- the pool cannot be trusted: every request is failed with the
+reason and the engine refuses new work (``broken``).
 
 The exception itself always reaches the caller unchanged (with a note saying what recovery did).
 """
@@ -60,9 +60,10 @@ import signal
 import threading
 from dataclasses import dataclass, field
 
+from pagedlearn.engine.outputs import fail
 from pagedlearn.engine.request import Request, RequestOutput, RequestStatus
 from pagedlearn.engine.scheduler import SchedulerOutput
-from pagedlearn.errors import PagedLearnError
+from pagedlearn.errors import PagedLearnError, add_note
 
 PHASES = ("schedule", "swap_out", "swap_in", "copy", "forward", "sample", "publish")
 MAX_FAULTS = 3  # steps in a row that raised while a request was in flight: then it fails
@@ -170,10 +171,10 @@ def recover(engine, journal: StepJournal, exc: BaseException) -> None:
     try:
         with held_interrupts(reraise=False):
             engine.last_recovery = _roll_back(engine, journal, exc)
-        exc.add_note(engine.last_recovery.note())
+        add_note(exc, engine.last_recovery.note())
     except BaseException as err:  # recovery itself failed: nothing can be trusted now
         engine.broken = f"recovering from {exc!r} during {journal.phase} failed: {err!r}"
-        exc.add_note(f"pagedlearn: {engine.broken}; build a new LLM")
+        add_note(exc, f"pagedlearn: {engine.broken}; build a new LLM")
 
 
 def _roll_back(engine, journal: StepJournal, exc: BaseException) -> Recovery:
@@ -194,12 +195,12 @@ def _roll_back(engine, journal: StepJournal, exc: BaseException) -> Recovery:
             journal.current[1].restore(req)
         if req in journal.sched.failed:  # the scheduler found it can never fit
             _free(engine, req, hi)
-            failed.append(engine._fail(req))
+            failed.append(fail(engine, req))
             rec.failed.append(req.request_id)
             continue
         if req is not current and _consistent(engine, req, journal, swapped_copied, hi):
             continue
-        _dequeue(q, req)
+        q._dequeue(req)
         if held := _free(engine, req, hi):
             kv.trace.emit("preempt", (), tuple(held), mode="recompute", reason=reason)
             freed.extend(held)
@@ -212,7 +213,7 @@ def _roll_back(engine, journal: StepJournal, exc: BaseException) -> Recovery:
                 f"request {req.request_id!r} failed: {req.num_faults} steps in a row raised "
                 f"while it was in flight, the last: {exc!r}"
             )
-            failed.append(engine._fail(req))
+            failed.append(fail(engine, req))
             rec.failed.append(req.request_id)
         else:
             q._enqueue(q.waiting, req, RequestStatus.WAITING)
@@ -228,20 +229,14 @@ def _roll_back(engine, journal: StepJournal, exc: BaseException) -> Recovery:
             f"operation during {journal.phase} ({e}); build a new LLM"
         )
         for req in list(engine.requests.values()):
-            _dequeue(q, req)
+            q._dequeue(req)
             req.error = f"request {req.request_id!r} failed: {engine.broken}"
-            failed.append(engine._fail(req))
+            failed.append(fail(engine, req))
             rec.failed.append(req.request_id)
     # Sampling's outputs join the step's only when sampling returns: before, they are apart.
     outputs = journal.outputs + (journal.finished if journal.phase == "sample" else [])
     engine._undelivered = [o for o in outputs if o.finished] + failed
     return rec
-
-
-def _dequeue(q, req: Request) -> None:
-    for queue in (q.waiting, q.running, q.swapped):
-        if req in queue:
-            queue.remove(req)
 
 
 def _ids(req: Request, hi: int) -> list[str]:

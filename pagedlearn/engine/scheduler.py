@@ -126,9 +126,7 @@ class Scheduler:
 
     def remove(self, req: Request) -> None:
         """Take a request out of whichever queue holds it and free its blocks (abort, finish)."""
-        for queue in (self.waiting, self.running, self.swapped):
-            if req in queue:
-                queue.remove(req)
+        self._dequeue(req)
         for seq in req.seqs:
             if seq.seq_id in self.kv:
                 self.kv.free_sequence(seq.seq_id)
@@ -422,14 +420,15 @@ class Scheduler:
 
     def _fail(self, req: Request, out: SchedulerOutput, why: str) -> None:
         out.touched.append(req)
-        for queue in (self.waiting, self.swapped, self.running):
-            if req in queue:
-                queue.remove(req)
-        for seq in req.seqs:
-            if seq.seq_id in self.kv:
-                self.kv.free_sequence(seq.seq_id)
+        self.remove(req)
         req.error = f"request {req.request_id!r} can never fit: it {why}"
         out.failed.append(req)
+
+    def _dequeue(self, req: Request) -> None:
+        """Take ``req`` out of whichever queue holds it (if any); its blocks stay."""
+        for queue in (self.waiting, self.running, self.swapped):
+            if req in queue:
+                queue.remove(req)
 
     @staticmethod
     def _enqueue(queue: list[Request], req: Request, status: RequestStatus) -> None:
