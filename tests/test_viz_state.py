@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from pagedlearn import KVCacheManager
@@ -149,3 +154,49 @@ def test_an_in_memory_log_gets_the_cpu_pool_check_a_file_gets():
     log.events[i] = Event(out.index, out.kind, out.blocks, out.seqs, {"cpu_blocks": [0, 7]})
     with pytest.raises(TraceFileError, match=r"event 1 \(swap_out\).*7, not a CPU block id"):
         replay_states(log)
+
+
+def _viz_imports() -> dict[str, set[str]]:
+    """pagedlearn.viz.X -> the pagedlearn.viz modules X imports, anywhere in the file (a lazy
+    import inside a function closes a circle just as well as one at the top)."""
+    root = Path(__file__).resolve().parents[1] / "pagedlearn" / "viz"
+    mods = {f"pagedlearn.viz.{p.stem}": p for p in root.glob("*.py") if p.stem != "__init__"}
+    graph = {}
+    for mod, path in mods.items():
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            else:
+                continue
+            edges |= {n for n in names if n in mods and n != mod}
+        graph[mod] = edges
+    return graph
+
+
+def test_no_import_circle_among_the_viz_modules():
+    """DESIGN.md: a lower file never imports a higher one. frame < colors < state: a palette
+    observes frames, and replay_states colours a recorded run's frames with a palette."""
+    graph = _viz_imports()
+    assert "pagedlearn.viz.colors" in graph["pagedlearn.viz.state"]  # it sees lazy imports
+    done: set[str] = set()
+
+    def visit(mod: str, path: list[str]) -> None:
+        if mod in path:
+            pytest.fail("import circle: " + " -> ".join([*path[path.index(mod) :], mod]))
+        if mod not in done:
+            for dep in sorted(graph[mod]):
+                visit(dep, [*path, mod])
+            done.add(mod)
+
+    for mod in sorted(graph):
+        visit(mod, [])
+
+
+def test_the_state_module_loads_without_matplotlib():
+    """Reading a pool (pool_state) needs no plotting library: only replay_states' colours do."""
+    code = "import sys, pagedlearn.viz.state; print('matplotlib' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

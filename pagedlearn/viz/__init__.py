@@ -1,10 +1,11 @@
 """Pictures of the paged KV cache, drawn from the real state -- never from a mock.
 
-Read in this order: ``state`` (one frozen ``PoolState`` per moment, from a live manager / engine
+Read in this order: ``frame`` (one frozen ``PoolState`` per moment, from a live manager / engine
 or from a recorded trace), ``colors`` (which request gets which colour: one assignment per run,
-never one colour for two requests on screen together), ``style`` (fixed looks, fonts), ``pool``
-(the physical blocks as a grid), ``tables`` (block tables pointing into the pool, the paper's
-Figures 6-7), ``timeline`` (blocks and queues over steps), ``fragmentation`` (reservation vs
+never one colour for two requests on screen together), ``state`` (a recorded run's frames with
+their colours; it also names everything a drawing reads), ``style`` (fixed looks, fonts),
+``pool`` (the physical blocks as a grid), ``tables`` (block tables pointing into the pool, the
+paper's Figures 6-7), ``timeline`` (blocks and queues over steps), ``fragmentation`` (reservation vs
 paging, the paper's Figure 2), ``panels`` and ``view`` (the text panels and the widget layout
 both dashboards share), ``live`` (the ipywidgets dashboard that follows a running engine) and
 ``replay`` (the view that scrubs through a recorded run).
