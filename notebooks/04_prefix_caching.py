@@ -522,7 +522,7 @@ display(view)
 #    `System:` -> `system:`). How many tokens does it find in the cache now, and why does a
 #    change at the start cost every block after it, even though the rest is identical?
 # 2. The engine's `add_request` takes no `cache_salt` (vLLM's requests can carry one). Find the
-#    one call in `pagedlearn/engine/scheduler.py` that would have to pass it. Then, with a
+#    one call in `pagedlearn/engine/scheduler_output.py` that would have to pass it. Then, with a
 #    `KVCacheManager` alone as in the extra-keys section, add the four chats' token ids with two
 #    different salts and check which of them hit.
 # 3. In the eviction section, run `C` again instead of `A` before the big request `D`. Predict

@@ -1,7 +1,8 @@
 """The serving engine: requests, sampling, continuous-batching scheduler, preemption, ``LLM``.
 
 Read in this order: ``sampling_params`` (what a request asks for), ``request`` (requests,
-sequences, outputs), ``scheduler`` (who runs each step; preemption), ``sampler`` and
+sequences, outputs), ``scheduler_output`` (a step's plan), ``scheduler`` (who runs each step;
+preemption), ``reservation`` (the max-length reservation baseline), ``sampler`` and
 ``beam_search`` (next tokens), ``admission`` (checking a request in), ``llm_engine`` (one step end
 to end), ``outputs`` (what a step hands out), ``recovery`` (rolling back a step that raised),
 ``llm`` (the front door).

@@ -25,10 +25,10 @@ Every step it decides which requests run, with the paper's policy (section 4.5, 
 is prefilled a chunk at a time over several steps, next to the other requests' decodes, instead
 of waiting for a step of its own (or being refused when it is longer than the whole budget).
 Decodes come first: every running sequence that is past its prompt gets its one token, and
-prompts in progress share what is left. A chunk's tokens get their slots with ``append_token``,
-exactly like decoded tokens -- a decode *is* a chunk of one -- so a sequence's next tokens are
-always ``token_ids[kv.num_tokens(seq):]``, and a sequence samples only when its chunk reaches its
-last token. The first chunk starts after the prompt's cached prefix, which costs no budget.
+prompts in progress share what is left. A decode *is* a chunk of one (how a chunk's tokens get
+their slots: :mod:`pagedlearn.engine.scheduler_output`), and a sequence samples only when its
+chunk reaches its last token. The first chunk starts after the prompt's cached prefix, which
+costs no budget.
 
 A request that can never fit -- it needs more blocks than the whole pool, even alone -- is failed
 with an error for that request alone; the others go on.
@@ -37,60 +37,25 @@ The policy's three decisions are small methods, so that they read on their own (
 ``scheduler``, has students write them): ``_can_admit`` (the block budget and its watermark),
 ``_choose_victim`` (whom to preempt) and ``_preempt_by_recompute``.
 
-**Max-length reservation** (``kv_reservation="max"``, a baseline to compare paging against): the
-scheduler behaves like Orca (Max) in the paper's section 2.3. A waiting request is admitted only
-if the pool can hold, for each of its ``n`` sequences (samples or beams: no sharing assumed), the
-blocks of ``prompt + max_tokens`` tokens (capped at the model's length), *on top of* what every
-running request's reservation has not allocated yet; those blocks stay promised to it until it
-finishes. Blocks are still allocated one at a time by the same manager, so the model and the
-attention read exactly the same block tables -- but since every block a request can ever need is
-set aside, a running request never has to be preempted. It reserves *blocks*, not one contiguous
-run of memory, so it has no external fragmentation (the simulator's buddy-allocator baselines in
-:mod:`pagedlearn.sim.simulator` model that): an optimistic upper bound for a reservation system.
+**Max-length reservation** (``kv_reservation="max"``): the same scheduler as the Orca (Max)
+baseline of the paper's section 2.3, admitting a waiting request only when its whole reservation
+fits (the policy: :mod:`pagedlearn.engine.reservation`), so that a running request never has
+to be preempted.
 """
 
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass, field
 
-from pagedlearn.engine.request import Request, RequestStatus, Sequence
-from pagedlearn.errors import OutOfBlocksError, PagedLearnError
+from pagedlearn.engine.request import Request, RequestStatus
+from pagedlearn.engine.reservation import KV_RESERVATIONS as KV_RESERVATIONS  # (re-exported)
+from pagedlearn.engine.reservation import KVReservation
+from pagedlearn.engine.scheduler_output import ScheduledSequence as ScheduledSequence
+from pagedlearn.engine.scheduler_output import SchedulerOutput as SchedulerOutput
+from pagedlearn.errors import OutOfBlocksError
 from pagedlearn.kv_cache_manager import KVCacheManager
 
 PREEMPTION_MODES = ("recompute", "swap")
-KV_RESERVATIONS = ("paged", "max")  # paging (vLLM) or max-length reservation (Orca (Max))
-
-
-@dataclass
-class ScheduledSequence:
-    """One sequence's work this step: ``new_tokens`` at positions ``start_pos...``, K/V into
-    ``slots``; a prefill when several (or all the prompt's) tokens are new."""
-
-    request: Request
-    seq: Sequence
-    start_pos: int
-    new_tokens: list[int]
-    slots: list[int]
-    block_table: list[int]
-    is_prefill: bool
-    samples: bool = True  # the chunk reaches the sequence's last token: sample the next one
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledSequence] = field(default_factory=list)
-    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, cpu block)
-    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu block, device block)
-    preempted: list[Request] = field(default_factory=list)
-    failed: list[Request] = field(default_factory=list)  # can never fit; request.error says why
-    # Every request whose queue or blocks this step changed, noted *before* the change: if the
-    # step raises, the engine rolls these back (recovery.py).
-    touched: list[Request] = field(default_factory=list)
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(len(s.new_tokens) for s in self.scheduled)
 
 
 class Scheduler:
@@ -106,10 +71,7 @@ class Scheduler:
         kv_reservation: str = "paged",
         max_model_len: int | None = None,
     ) -> None:
-        if kv_reservation not in KV_RESERVATIONS:
-            raise PagedLearnError(
-                f"kv_reservation must be one of {KV_RESERVATIONS}, got {kv_reservation!r}"
-            )
+        self.reservation = KVReservation(kv, kv_reservation, max_model_len)  # checks the mode
         self.kv_reservation, self.max_model_len = kv_reservation, max_model_len
         self.kv = kv
         self.chunked_prefill = chunked_prefill
@@ -173,41 +135,36 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                self._append(req, out, chunk)
+                out.add_next_tokens(kv, req, chunk)
                 if req.request_id in prefilling:
                     prefill_budget -= chunk
                 kept.append(req)
         self.running = kept
 
     def _schedule_swapped(self, out: SchedulerOutput) -> None:
-        kv = self.kv
+        kv, pool = self.kv, self.kv.allocator.num_blocks
         while self.swapped:
             req = self.swapped[0]
             ids = req.seq_ids
-            if not self._fits_budgets(req, len(ids), out) or not self._fits_reservation(req):
+            fits = self._fits_budgets(req, len(ids), out)
+            if not fits or not self.reservation.fits(req, self.running):
                 return
             alone = not self.running
             # Room for the copies back plus, to be safe, one new block per sequence to append.
             need = kv.blocks_to_swap_in(ids) + (0 if alone else len(ids))
             if need > kv.num_free_blocks:
                 if alone:
-                    self._fail(
-                        req,
-                        out,
-                        f"needs {need} blocks to resume, the pool has {kv.allocator.num_blocks}",
-                    )
+                    self._fail(req, out, f"needs {need} blocks to resume, the pool has {pool}")
                     continue
                 return
             out.touched.append(req)
             self.swapped.pop(0)
             out.swap_in.extend(kv.swap_in(ids))
             if kv.blocks_to_append(ids) > kv.num_free_blocks:  # only when it was alone
-                self._fail(
-                    req, out, f"grew past the whole pool of {kv.allocator.num_blocks} blocks"
-                )
+                self._fail(req, out, f"grew past the whole pool of {pool} blocks")
                 continue
             self._enqueue(self.running, req, RequestStatus.RUNNING)
-            self._append(req, out)
+            out.add_next_tokens(kv, req)
 
     def _schedule_waiting(self, out: SchedulerOutput) -> None:
         kv, bs = self.kv, self.kv.block_size
@@ -215,24 +172,20 @@ class Scheduler:
             req = self.waiting[0]
             total = sum(-(-len(s.token_ids) // bs) for s in req.seqs)
             if total > kv.allocator.num_blocks:  # it grew while running, then was preempted
-                n = sum(len(s.token_ids) for s in req.seqs)
-                self._fail(
-                    req,
-                    out,
-                    f"needs {total} blocks for its {n} tokens, more than the "
-                    f"whole pool of {kv.allocator.num_blocks}",
-                )
+                n, pool = sum(len(s.token_ids) for s in req.seqs), kv.allocator.num_blocks
+                why = f"needs {total} blocks for its {n} tokens, more than the whole pool of {pool}"
+                self._fail(req, out, why)
                 continue
             if not self._fits_budgets(req, req.params.n, out):
                 return
             chunk = self._first_chunk(req, out)  # all of the prompt without chunking
             blocks = -(-chunk // bs) if len(req.seqs) == 1 else total  # ignoring cache hits
             if self.kv_reservation == "max":  # its whole reservation, not just the prompt
-                if not self._fits_reservation(req):
+                if not self.reservation.fits(req, self.running):
                     return
             elif not self._can_admit(blocks):
                 return
-            if not self._admit(req, out, chunk):
+            if not out.add_prefill(kv, req, chunk):
                 return
             self.waiting.pop(0)
             self._enqueue(self.running, req, RequestStatus.RUNNING)
@@ -275,39 +228,15 @@ class Scheduler:
         self._count_preemption(req, out, "recompute")
         self._enqueue(self.waiting, req, RequestStatus.WAITING)
 
-    # --- max-length reservation ------------------------------------------------------------------
+    # --- max-length reservation (the policy: reservation.py) ---------------------------------
     def reserved_blocks(self, num_prompt_tokens: int, params) -> int:
-        """Blocks a request reserves for its whole life under ``kv_reservation="max"``: for each
-        of its ``params.n`` sequences, the blocks of ``prompt + max_tokens`` tokens, capped at the
-        model's length (0 under paging, which reserves nothing). ``LLMEngine.add_request``
-        rejects a request whose reservation is larger than the whole pool: it could never start."""
-        if self.kv_reservation != "max":
-            return 0
-        tokens = num_prompt_tokens + params.max_tokens
-        if self.max_model_len is not None:
-            tokens = min(tokens, self.max_model_len)
-        return params.n * -(-tokens // self.kv.block_size)
-
-    def _reservation_of(self, req: Request) -> int:
-        return self.reserved_blocks(len(req.prompt_token_ids), req.params)
+        """Blocks a request reserves for its whole life (0 under paging); ``add_request`` rejects
+        one that reserves more than the whole pool (:meth:`KVReservation.reserved_blocks`)."""
+        return self.reservation.reserved_blocks(num_prompt_tokens, params)
 
     def unreserved_blocks(self) -> int:
-        """Free blocks that no running request's reservation has promised: the pool's free
-        blocks minus, for each running request, its reservation less the distinct blocks it holds
-        now (a copy-on-write copy adds a block without growing a block table, so count blocks,
-        not table entries). A prefix-cache block shared by two requests counts for both; the
-        preemption path stays as a safety net. Under paging: just the free blocks."""
-        owed = 0
-        for r in self.running:
-            held = {b for s in r.seqs if s.seq_id in self.kv for b in self.kv.block_table(s.seq_id)}
-            owed += max(0, self._reservation_of(r) - len(held))
-        return self.kv.num_free_blocks - owed
-
-    def _fits_reservation(self, req: Request) -> bool:
-        """Max-length reservation: can ``req``'s whole reservation be set aside now?"""
-        if self.kv_reservation != "max":
-            return True
-        return self._reservation_of(req) <= self.unreserved_blocks()
+        """Free blocks no running request's reservation has promised (under paging: all)."""
+        return self.reservation.unreserved_blocks(self.running)
 
     # --- helpers ---------------------------------------------------------------------------------
     def _fits_budgets(self, req: Request, num_seqs: int, out: SchedulerOutput) -> bool:
@@ -330,62 +259,6 @@ class Scheduler:
             return len(tokens)
         left = self.max_num_batched_tokens - out.num_batched_tokens
         return min(len(tokens), self.kv.cached_prefix_tokens(tokens) + left)
-
-    def _admit(self, req: Request, out: SchedulerOutput, chunk: int) -> bool:
-        """Give every sequence of a waiting request its blocks (all or none) and schedule its
-        prefill (its first ``chunk`` tokens). Returns False, changing nothing, if they don't fit."""
-        kv = self.kv
-        out.touched.append(req)
-        if len(req.seqs) > 1:  # re-admission after recompute: check first, so nothing can fail
-            blocks = sum(-(-len(s.token_ids) // kv.block_size) for s in req.seqs)
-            if blocks > kv.num_free_blocks:
-                return False
-        reused = []
-        for seq in req.seqs:
-            try:
-                tokens = seq.token_ids[:chunk] if len(req.seqs) == 1 else seq.token_ids
-                reused.append(kv.add_sequence(seq.seq_id, tokens))
-            except OutOfBlocksError:  # only a single sequence gets here, so nothing to undo
-                return False
-        if req.metrics.first_scheduled_time is None:
-            req.num_cached_tokens = reused[0]
-        for seq, r in zip(req.seqs, reused, strict=True):
-            n = kv.num_tokens(seq.seq_id)
-            out.scheduled.append(
-                ScheduledSequence(
-                    req,
-                    seq,
-                    r,
-                    seq.token_ids[r:n],
-                    kv.slot_mapping(seq.seq_id)[r:],
-                    kv.block_table(seq.seq_id),
-                    is_prefill=True,
-                    samples=n == len(seq.token_ids),
-                )
-            )
-        return True
-
-    def _append(self, req: Request, out: SchedulerOutput, chunk: int = 1) -> None:
-        """Schedule each sequence's next ``chunk`` tokens: the newest sampled token (a decode), or
-        the next piece of a prompt. They get their slots now; the forward writes their K/V."""
-        kv = self.kv
-        out.touched.append(req)
-        for seq in req.seqs:
-            start = kv.num_tokens(seq.seq_id)
-            new = seq.token_ids[start : start + chunk]
-            slots = [kv.append_token(seq.seq_id, t) for t in new]
-            out.scheduled.append(
-                ScheduledSequence(
-                    req,
-                    seq,
-                    start,
-                    new,
-                    slots,
-                    kv.block_table(seq.seq_id),
-                    is_prefill=start < seq.num_prompt_tokens or chunk > 1,
-                    samples=start + chunk == len(seq.token_ids),
-                )
-            )
 
     def _pending(self, req: Request) -> int:
         """Prompt tokens a running request has yet to prefill in chunks (0: it is decoding)."""

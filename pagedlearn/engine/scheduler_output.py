@@ -1,0 +1,119 @@
+"""The step's plan: what the scheduler hands the engine after deciding who runs.
+
+:meth:`Scheduler.schedule <pagedlearn.engine.scheduler.Scheduler.schedule>` fills one
+:class:`SchedulerOutput` per step, and the engine runs the step from it:
+
+- ``scheduled``: one :class:`ScheduledSequence` per sequence that runs -- its new tokens, the
+  slots their K/V go to and its block table (a prefill, a chunk of a prompt, or a decode: the
+  model packs them all into one batch);
+- ``swap_out`` / ``swap_in``: block copies between the device pool and the CPU swap pool
+  (preemption by swap, swapped requests coming back), made before the forward;
+- ``preempted`` and ``failed``: what the step did to requests besides running them;
+- ``touched``: every request whose queue or blocks the step changed, noted before the change,
+  so that the engine can undo a step that raised (:mod:`pagedlearn.engine.recovery`).
+
+A request's tokens enter the plan in one of two ways, taking their blocks and slots from the
+:class:`~pagedlearn.kv_cache_manager.KVCacheManager` as they do:
+
+- :meth:`SchedulerOutput.add_prefill`: a waiting request is admitted; its sequences get their
+  blocks, all or none, and the prompt's cached prefix is not computed again;
+- :meth:`SchedulerOutput.add_next_tokens`: a running request (or one back from swap) goes on,
+  one ``append_token`` per token -- a decode, or the next chunk of its prompt (a decode *is* a
+  chunk of one). So a sequence's next tokens are always ``token_ids[kv.num_tokens(seq):]``.
+
+The forward then writes each new token's K/V into the slot the plan gives it; the copy-on-write
+copies the appends caused wait in the manager, which the engine asks for them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from pagedlearn.engine.request import Request, Sequence
+from pagedlearn.errors import OutOfBlocksError
+
+if TYPE_CHECKING:
+    from pagedlearn.kv_cache_manager import KVCacheManager
+
+
+@dataclass
+class ScheduledSequence:
+    """One sequence's work this step: ``new_tokens`` at positions ``start_pos...``, K/V into
+    ``slots``; a prefill when several (or all the prompt's) tokens are new."""
+
+    request: Request
+    seq: Sequence
+    start_pos: int
+    new_tokens: list[int]
+    slots: list[int]
+    block_table: list[int]
+    is_prefill: bool
+    samples: bool = True  # the chunk reaches the sequence's last token: sample the next one
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's plan (see the module docstring): who runs, with which slots, and the copies,
+    preemptions and failures the step made."""
+
+    scheduled: list[ScheduledSequence] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, cpu block)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu block, device block)
+    preempted: list[Request] = field(default_factory=list)
+    failed: list[Request] = field(default_factory=list)  # can never fit; request.error says why
+    # Every request whose queue or blocks this step changed, noted *before* the change: if the
+    # step raises, the engine rolls these back (recovery.py).
+    touched: list[Request] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        """Tokens the step's forward runs so far: what admissions check against the per-step
+        token budget, ``max_num_batched_tokens``."""
+        return sum(len(s.new_tokens) for s in self.scheduled)
+
+    # --- how a request's tokens enter the plan: they take their slots now ------------------------
+    def add_prefill(self, kv: KVCacheManager, req: Request, chunk: int) -> bool:
+        """Give every sequence of a waiting request its blocks (all or none) and plan its
+        prefill: its first ``chunk`` tokens, less the prefix the cache already holds (a
+        re-admission after recompute, with several sequences, takes all their tokens). Returns
+        False, with no blocks taken, if they don't fit."""
+        self.touched.append(req)
+        if len(req.seqs) > 1:  # re-admission after recompute: check first, so nothing can fail
+            blocks = sum(-(-len(s.token_ids) // kv.block_size) for s in req.seqs)
+            if blocks > kv.num_free_blocks:
+                return False
+        reused = []
+        for seq in req.seqs:
+            try:
+                tokens = seq.token_ids[:chunk] if len(req.seqs) == 1 else seq.token_ids
+                reused.append(kv.add_sequence(seq.seq_id, tokens))
+            except OutOfBlocksError:  # only a single sequence gets here, so nothing to undo
+                return False
+        if req.metrics.first_scheduled_time is None:
+            req.num_cached_tokens = reused[0]
+        for seq, r in zip(req.seqs, reused, strict=True):
+            n = kv.num_tokens(seq.seq_id)
+            planned = ScheduledSequence(
+                req, seq, r, seq.token_ids[r:n], kv.slot_mapping(seq.seq_id)[r:],
+                kv.block_table(seq.seq_id), is_prefill=True, samples=n == len(seq.token_ids),
+            )  # fmt: skip
+            self.scheduled.append(planned)
+        return True
+
+    def add_next_tokens(self, kv: KVCacheManager, req: Request, chunk: int = 1) -> None:
+        """Plan each sequence's next ``chunk`` tokens: the newest sampled token (a decode, a
+        chunk of one), or the next piece of a prompt. Each gets its slot now with
+        ``kv.append_token`` (maybe a new block, or a copy-on-write copy); the forward writes
+        their K/V there."""
+        self.touched.append(req)
+        for seq in req.seqs:
+            start = kv.num_tokens(seq.seq_id)
+            new = seq.token_ids[start : start + chunk]
+            slots = [kv.append_token(seq.seq_id, t) for t in new]
+            planned = ScheduledSequence(
+                req, seq, start, new, slots, kv.block_table(seq.seq_id),
+                is_prefill=start < seq.num_prompt_tokens or chunk > 1,
+                samples=start + chunk == len(seq.token_ids),
+            )  # fmt: skip
+            self.scheduled.append(planned)
