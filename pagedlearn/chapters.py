@@ -76,7 +76,8 @@ def execute(py: Path, timeout: int = 300, check: bool = True):
     nb = jupytext.read(py)
     env = {**OFFLINE_ENV, **CHECK_ENV} if check else OFFLINE_ENV
     saved = {k: os.environ.get(k) for k in (*OFFLINE_ENV, *CHECK_ENV)}
-    os.environ.pop("PAGEDLEARN_CHECK", None)  # unless asked for below: a stored run is full size
+    for k in CHECK_ENV:  # unless asked for below: a stored run is full size
+        os.environ.pop(k, None)
     os.environ.update(env)  # the kernel inherits them
     try:
         client = nbclient.NotebookClient(

@@ -6,7 +6,6 @@ we set it here, before any test module imports ``kernels``, so plain ``pytest`` 
 GPU the kernels compile for real, and the same tests run on it.
 """
 
-import contextlib
 import importlib.util
 import os
 
@@ -15,6 +14,7 @@ import pytest
 # `make test` runs pytest-xdist with one worker per core. Each worker, and every process it starts
 # (notebook kernels, the CLI, the grader), keeps to one thread: torch's default of one thread per
 # core in every worker would have them fight over the cores and run slower than one process.
+# Set before anything imports torch, which reads OMP_NUM_THREADS when it starts.
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -28,11 +28,6 @@ def _has_cuda() -> bool:
 
 
 HAS_CUDA = _has_cuda()
-if os.environ.get("PYTEST_XDIST_WORKER") and os.environ["OMP_NUM_THREADS"] == "1":
-    with contextlib.suppress(ImportError):
-        import torch
-
-        torch.set_num_threads(1)
 
 
 def _has_triton() -> bool:
