@@ -13,6 +13,12 @@ Example (the paper's Figure 6 spirit): block_size 4, block_ids [7, 2, 11], 10 to
 logical block 1 -> physical block 2, offset 1 -> slot 9. Token 9 sits in block 11 at offset 1,
 slot 45; slots 46 and 47 of block 11 are still empty.
 
+In a sliding-window KV-cache group (kv_cache_groups.py) the blocks a window has left behind go
+back to the pool, and their entries become ``NULL_BLOCK`` (-1): the table keeps its positions
+(logical block ``j`` still starts at token ``j * block_size``), attention never reads those
+entries, and their slots are -1 ("skip", ``live_slots``). Null entries only ever form the head
+of a table.
+
 The table also remembers the token ids (the prefix cache hashes full blocks of them) and, when
 prefix caching is on, the hash of each full block so far (each hash chains on the previous one).
 """
@@ -20,6 +26,8 @@ prefix caching is on, the hash of each full block so far (each hash chains on th
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+NULL_BLOCK = -1  # a freed entry of a sliding-window table: no block, never read
 
 
 @dataclass
@@ -43,6 +51,18 @@ class BlockTable:
         """Blocks that ``num_tokens`` tokens occupy: ceil(num_tokens / block_size)."""
         return -(-num_tokens // self.block_size)
 
+    @property
+    def num_null_blocks(self) -> int:
+        """Leading entries freed by a sliding window (``NULL_BLOCK``); 0 in a full group."""
+        n = 0
+        while n < len(self.block_ids) and self.block_ids[n] == NULL_BLOCK:
+            n += 1
+        return n
+
+    def live_blocks(self) -> list[int]:
+        """The physical blocks the table holds (its null entries left out)."""
+        return [b for b in self.block_ids if b != NULL_BLOCK]
+
     def slot(self, i: int) -> int:
         """Row of the KV slab holding token position ``i``."""
         if not 0 <= i < self.num_tokens:
@@ -52,6 +72,15 @@ class BlockTable:
     def slot_mapping(self) -> list[int]:
         """One slot per token position, 0 .. num_tokens-1 (what the KV write kernel consumes)."""
         return [self.slot(i) for i in range(self.num_tokens)]
+
+    def live_slots(self, start: int = 0) -> list[int]:
+        """:meth:`slot_mapping` from position ``start`` on, with -1 ("skip") for a position
+        whose block a sliding window freed."""
+        bs, ids = self.block_size, self.block_ids
+        return [
+            NULL_BLOCK if ids[i // bs] == NULL_BLOCK else self.slot(i)
+            for i in range(start, self.num_tokens)
+        ]
 
     def block_tokens(self, j: int) -> list[int]:
         """Token ids stored in logical block ``j``."""

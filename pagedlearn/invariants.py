@@ -9,7 +9,8 @@ tests, debugging and teaching, not for each step of a server.
    allocator's count of shared blocks, refcount > 1, agrees).
 2. A block is in the free queue exactly when its refcount is 0 -- never both free and in a table,
    never twice in the queue -- and used + free == num_blocks.
-3. Every table has exactly ceil(tokens / block_size) blocks, all distinct.
+3. Every table has exactly ceil(tokens / block_size) entries, its blocks all distinct; the only
+   null entries (-1: blocks a sliding window freed, block_table.py) form its head.
 4. (Swapping) rules 1-3 hold for the CPU pool too, counting the swapped-out tables (whose ids name
    CPU blocks); no sequence is both on the GPU and swapped out; without a CPU pool, none is out;
    the extra keys (model, adapter, salt) are kept for exactly the sequences that exist.
@@ -93,7 +94,7 @@ def check_invariants(
 
 def _check_pool(a: BlockAllocator, tables: Iterable[BlockTable], pool: str) -> None:
     """Rules 1 and 2 for one pool: ``tables`` are all the tables whose ids name its blocks."""
-    refs = Counter(b for t in tables for b in t.block_ids)
+    refs = Counter(b for t in tables for b in t.live_blocks())
     free = a.free_queue()
     free_set = set(free)
     if len(free) != len(free_set):
@@ -112,9 +113,13 @@ def _check_pool(a: BlockAllocator, tables: Iterable[BlockTable], pool: str) -> N
 
 
 def _check_shapes(tables: dict, kind: str) -> None:
-    """Rule 3: each table has ceil(tokens / block_size) blocks, all distinct."""
+    """Rule 3: each table has ceil(tokens / block_size) entries, its blocks all distinct, its
+    null entries (a sliding window's) at its head only."""
     for seq_id, t in tables.items():
         if len(t.block_ids) != t.blocks_needed(t.num_tokens):
             _fail(f"{kind}{seq_id!r} has {len(t.block_ids)} blocks for {t.num_tokens} tokens")
-        if len(set(t.block_ids)) != len(t.block_ids):
+        live = t.live_blocks()
+        if len(set(live)) != len(live):
             _fail(f"{kind}{seq_id!r} points at the same block twice")
+        if len(live) + t.num_null_blocks != len(t.block_ids):
+            _fail(f"{kind}{seq_id!r} has a null entry after a live block")

@@ -22,6 +22,16 @@ paper writes the hidden size H*D as one number). GPT-2 small in fp16: 2 * 12 * 1
 
 The swap pool is a second, smaller slab in CPU memory (pinned when a GPU is used, so copies are
 asynchronous DMA). The manager's second allocator hands out its block ids.
+
+A model that mixes attention kinds (sliding-window and full layers: kv_cache_groups.py) has
+several KV-cache groups, each with its own block tables over one shared pool. A block then holds
+the K/V of *one group's* layers, so the slab's second axis is the layers of a group, not of the
+model::
+
+    slab: (2, layers_per_block, num_blocks, block_size, num_kv_heads, head_dim)
+
+and layer ``layer_ids[j]`` of a group reads ``slab[:, j]`` through that group's block tables.
+With one group (GPT-2, OPT) ``layers_per_block`` is the number of layers and nothing changes.
 """
 
 from __future__ import annotations
@@ -31,6 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedlearn.errors import PagedLearnError
+from pagedlearn.kv_cache_groups import KVCacheGroupSpec, group_layers, layers_per_block
 
 
 @dataclass(frozen=True)
@@ -41,25 +52,70 @@ class KVCacheSpec:
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
+    # Per layer: None (full attention) or its sliding window. None here: every layer is full.
+    layer_windows: tuple[int | None, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.layer_windows is not None and len(self.layer_windows) != self.num_layers:
+            raise PagedLearnError(
+                f"layer_windows has {len(self.layer_windows)} entries for {self.num_layers} layers"
+            )
+
+    @property
+    def groups(self) -> list[KVCacheGroupSpec]:
+        """The KV-cache groups (kv_cache_groups.py); one full-attention group for GPT-2 / OPT."""
+        return group_layers(self.layer_windows or [None] * self.num_layers)
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Whether some layer slides: then blocks are per group, and a window frees them."""
+        return any(w is not None for w in self.layer_windows or ())
+
+    @property
+    def layers_per_block(self) -> int:
+        """Layers whose K/V one block holds: all of them, or one group's (kv_cache_groups.py)."""
+        return layers_per_block(self.groups)
+
+    @property
+    def element_size(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
 
     @property
     def bytes_per_token(self) -> int:
-        """2 (K and V) x layers x KV heads x head_dim x element size."""
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+        """2 (K and V) x layers x KV heads x head_dim x element size: what a token costs while
+        every layer holds its K/V (a sliding layer drops it once it leaves the window)."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.element_size
+
+    def block_bytes(self, block_size: int) -> int:
+        """Bytes of one block: ``block_size`` tokens x 2 x layers_per_block x KV heads x
+        head_dim x element size. With one group, ``block_size * bytes_per_token``."""
+        per_layer = 2 * self.num_kv_heads * self.head_dim * self.element_size
+        return block_size * self.layers_per_block * per_layer
+
+    def sequence_bytes(self, num_tokens: int, block_size: int) -> int:
+        """Bytes one sequence of ``num_tokens`` tokens holds: every group's blocks, where a
+        sliding group holds at most ``ceil(W / block_size) + 1`` (kv_cache_groups.py)."""
+        blocks = sum(g.blocks_held(num_tokens, block_size) for g in self.groups)
+        return blocks * self.block_bytes(block_size)
 
     def formula(self) -> str:
         """The bytes-per-token formula with this model's numbers, for printing."""
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        dtype = str(self.dtype).removeprefix("torch.")
-        return (
+        elem, dtype = self.element_size, str(self.dtype).removeprefix("torch.")
+        text = (
             f"2 x {self.num_layers} layers x {self.num_kv_heads} KV heads x {self.head_dim} "
             f"head_dim x {elem} B ({dtype}) = {self.bytes_per_token:,} B per token"
         )
+        if self.is_hybrid:
+            kinds = ", ".join(f"{g.name}: layers {list(g.layer_ids)}" for g in self.groups)
+            text += (
+                f" in every layer's window; KV-cache groups ({kinds}) share blocks of "
+                f"{self.layers_per_block} layers each"
+            )
+        return text
 
     def num_blocks_for(self, memory_bytes: int, block_size: int) -> int:
         """How many whole blocks fit in ``memory_bytes``."""
-        return int(memory_bytes) // (block_size * self.bytes_per_token)
+        return int(memory_bytes) // self.block_bytes(block_size)
 
 
 class KVCache:
@@ -85,13 +141,19 @@ class KVCache:
             raise PagedLearnError(f"the KV cache needs at least one block, got {num_blocks}")
         self.spec, self.num_blocks, self.block_size = spec, num_blocks, block_size
         self.device = torch.device(device)
-        shape = (2, spec.num_layers, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+        self.groups = spec.groups
+        # layer -> (its group, its index among the slab's layers_per_block layer slots)
+        self._where = {
+            layer: (g, j) for g, group in enumerate(self.groups)
+            for j, layer in enumerate(group.layer_ids)
+        }  # fmt: skip
+        shape = (2, spec.layers_per_block, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
         # Zeros, not empty: a kernel bug that reads an unwritten slot then shows up as a wrong
         # number in a test rather than as whatever the allocator left there.
         self.slab = torch.zeros(shape, dtype=spec.dtype, device=self.device)
         self.cpu_slab = None
         if num_cpu_blocks > 0:
-            cpu_shape = (2, spec.num_layers, num_cpu_blocks, *shape[3:])
+            cpu_shape = (2, spec.layers_per_block, num_cpu_blocks, *shape[3:])
             pin = self.device.type == "cuda"
             self.cpu_slab = torch.zeros(cpu_shape, dtype=spec.dtype, pin_memory=pin)
 
@@ -104,11 +166,16 @@ class KVCache:
     def nbytes(self) -> int:
         return self.slab.numel() * self.slab.element_size()
 
+    def group_of(self, layer: int) -> int:
+        """The KV-cache group of ``layer``: whose block tables and slots it reads (0 for all
+        layers of a model with one attention kind)."""
+        return self._where[layer][0]
+
     def key_cache(self, layer: int) -> torch.Tensor:
-        return self.slab[0, layer]  # (num_blocks, block_size, num_kv_heads, head_dim)
+        return self.slab[0, self._where[layer][1]]  # (num_blocks, block_size, kv_heads, head_dim)
 
     def value_cache(self, layer: int) -> torch.Tensor:
-        return self.slab[1, layer]
+        return self.slab[1, self._where[layer][1]]
 
     # --- block copies, all layers at once -------------------------------------------------------
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:

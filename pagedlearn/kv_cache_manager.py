@@ -33,6 +33,12 @@ Swapping (preemption by swap, the paper's section 4.5) is in swap.py: with ``num
 and ``swap_in`` brings them back. Like copy-on-write, swaps return copies for the engine, which
 applies them before the next forward pass in this order: swap-out, swap-in, copy-on-write.
 The rules that must hold after every operation are checked in invariants.py.
+
+A model that mixes sliding-window and full-attention layers has several KV-cache groups
+(kv_cache_groups.py): :class:`~pagedlearn.kv_cache_coordinator.KVCacheCoordinator` then runs one
+manager per group over one shared pool (``share_pool_of``), and a sliding group's manager
+(sliding_window_manager.py) frees the blocks its window has left behind
+(``remove_skipped_blocks``: a no-op here, where every layer sees every token).
 """
 
 from __future__ import annotations
@@ -44,7 +50,7 @@ from typing import Any
 from pagedlearn import swap
 from pagedlearn.block_allocator import BlockAllocator
 from pagedlearn.block_events import BlockEvents
-from pagedlearn.block_table import BlockTable
+from pagedlearn.block_table import NULL_BLOCK, BlockTable
 from pagedlearn.errors import OutOfBlocksError, PagedLearnError
 from pagedlearn.invariants import check_invariants
 from pagedlearn.prefix_cache import PrefixCache, make_extra_keys, parent_hash
@@ -84,7 +90,13 @@ class KVCacheManager:
         enable_prefix_caching: bool = False,
         model_id: Hashable = None,
         num_cpu_blocks: int = 0,
+        *,
+        share_pool_of: KVCacheManager | None = None,
+        group: str | None = None,
     ) -> None:
+        """``share_pool_of`` and ``group`` are for :class:`KVCacheCoordinator`: the managers of a
+        model's KV-cache groups share one manager's pools, prefix cache, trace and pending
+        copies, and each announces its events under ``"<seq id>|<group>"``."""
         if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
             raise PagedLearnError(f"block_size must be a positive int, got {block_size!r}")
         n_cpu = num_cpu_blocks
@@ -93,18 +105,26 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.model_id = model_id  # part of every block hash: no sharing across models
-        self.trace = Trace()
-        self.allocator = self.allocator_class(num_blocks)
-        self.prefix_cache = self.prefix_cache_class() if enable_prefix_caching else None
+        pool = share_pool_of
+        self.trace = pool.trace if pool else Trace()
+        self.allocator = pool.allocator if pool else self.allocator_class(num_blocks)
+        if pool:
+            self.prefix_cache = pool.prefix_cache
+        else:
+            self.prefix_cache = self.prefix_cache_class() if enable_prefix_caching else None
         # The swap pool holds KV only while its sequence is swapped out: no caching, no eviction.
-        self.cpu_allocator = self.allocator_class(n_cpu) if n_cpu else None
+        if pool:
+            self.cpu_allocator = pool.cpu_allocator
+        else:
+            self.cpu_allocator = self.allocator_class(n_cpu) if n_cpu else None
         self._seqs = SequenceTables()  # every sequence's table, on the GPU or swapped out
         # The same dicts under the names the tests and viz/state.py read.
         self._tables, self._swapped = self._seqs.gpu, self._seqs.cpu
         self._extra_keys = self._seqs.extra_keys
-        self._events = BlockEvents(self.trace)
+        self._events = BlockEvents(self.trace, group)
         self._marker = StepMarker()
-        self._copies: list[tuple[int, int]] = []  # pending copy-on-write (src, dst)
+        # Pending copy-on-write (src, dst); one list for all the groups sharing a pool.
+        self._copies: list[tuple[int, int]] = pool._copies if pool else []
         self._counters = {
             "prefix_query_tokens": 0,
             "prefix_hit_tokens": 0,
@@ -121,18 +141,23 @@ class KVCacheManager:
         token_ids: Iterable[int],
         cache_salt: Hashable = None,
         adapter_id: Hashable = None,
+        *,
+        max_cached_blocks: int | None = None,
     ) -> int:
         """Give a new sequence blocks for its prompt; returns how many prompt tokens reuse cached
         KV (their prefill can be skipped). Raises :class:`OutOfBlocksError`, changing nothing,
-        when the pool cannot hold the prompt."""
+        when the pool cannot hold the prompt. ``max_cached_blocks`` caps the reused prefix (the
+        coordinator makes every KV-cache group reuse the same number of blocks)."""
         self._seqs.check_new(seq_id)
         tokens = check_tokens(token_ids)
         bs = self.block_size
         extra = make_extra_keys(self.model_id, adapter_id, cache_salt)
-        hashes, hits = self._find_prefix(tokens, extra)
+        hashes, hits = self._find_prefix(tokens, extra, max_cached_blocks)
 
         # Hits that sit in the free queue are taken out of it, so they count against free space.
-        revived = sum(1 for b in hits if self.allocator.refcount(b) == 0)
+        # (A sliding group's hits may start with NULL_BLOCK entries: blocks its window skips.)
+        live_hits = [b for b in hits if b != NULL_BLOCK]
+        revived = sum(1 for b in live_hits if self.allocator.refcount(b) == 0)
         num_new = -(-len(tokens) // bs) - len(hits)  # ceil(tokens / block_size), less the hits
         if num_new + revived > self.allocator.num_free_blocks:
             self._counters["allocation_failures"] += 1
@@ -144,8 +169,8 @@ class KVCacheManager:
             )
         # Nothing below can fail. Incref the hits first so that allocate cannot evict them.
         if hits:
-            self.allocator.incref(hits)
-            self._events.cache_hit(seq_id, hits)
+            self.allocator.incref(live_hits)
+            self._events.cache_hit(seq_id, live_hits, skipped=len(hits) - len(live_hits))
         new = self._allocate(num_new, seq_id)
         self._events.allocate(seq_id, new)
         table = self.block_table_class(bs, hits + new, tokens, hashes)
@@ -186,9 +211,10 @@ class KVCacheManager:
         """Make ``child_id`` a copy of ``parent_id`` that shares all its blocks (no KV copied)."""
         parent = self._seqs.on_gpu(parent_id)
         self._seqs.check_new(child_id)
-        self.allocator.incref(parent.block_ids)
+        blocks = parent.live_blocks()  # a sliding window's null entries are shared as they are
+        self.allocator.incref(blocks)
         self._seqs.add(child_id, parent.copy(), self._seqs.extra_keys[parent_id])
-        self._events.incref(parent_id, child_id, parent.block_ids)
+        self._events.incref(parent_id, child_id, blocks)
 
     def free_sequence(self, seq_id: Hashable) -> None:
         """Return a finished (or aborted) sequence's blocks. Cached blocks stay findable until
@@ -196,7 +222,7 @@ class KVCacheManager:
         on_cpu = self._seqs.is_swapped(seq_id)
         # Tail first: the tail of a sequence is the least likely to be shared, so it should be
         # the first evicted -- freeing it first puts it nearer the front of the LRU queue.
-        blocks = self._seqs.table(seq_id).block_ids[::-1]
+        blocks = self._seqs.table(seq_id).live_blocks()[::-1]
         (self.cpu_allocator if on_cpu else self.allocator).free(blocks)
         self._events.free(seq_id, blocks, cpu=on_cpu)
         self._seqs.remove(seq_id)
@@ -205,8 +231,18 @@ class KVCacheManager:
         """Pending copy-on-write copies ``(src, dst)``; apply them to the KV tensors before the
         next attention call, after this step's swap copies (see the module docstring). Cleared on
         read."""
-        copies, self._copies = self._copies, []
+        copies = list(self._copies)
+        self._copies.clear()  # in place: the groups of a coordinator share this list
         return copies
+
+    def remove_skipped_blocks(self, seq_id: Hashable, num_computed_tokens: int) -> int:
+        """Free the blocks that no query from position ``num_computed_tokens`` on will read
+        again; returns how many (vLLM's name). With full attention every query reads every
+        earlier token, so nothing is ever skipped: 0. A sliding-window group frees the blocks
+        its window has left behind (sliding_window_manager.py); the scheduler calls this for
+        every sequence before it plans the sequence's next tokens."""
+        self._seqs.on_gpu(seq_id)  # an unknown or swapped-out id raises, as elsewhere
+        return 0
 
     # --- swapping (swap.py: the rules, the copy order, the code) -----------------------------
     def swap_out(self, seq_ids: Iterable[Hashable]) -> list[tuple[int, int]]:
@@ -228,7 +264,21 @@ class KVCacheManager:
         return list(self._seqs.on_gpu(seq_id).block_ids)
 
     def slot_mapping(self, seq_id: Hashable) -> list[int]:
-        return self._seqs.on_gpu(seq_id).slot_mapping()
+        return self._seqs.on_gpu(seq_id).live_slots()
+
+    def block_tables(self, seq_id: Hashable) -> list[list[int]]:
+        """The sequence's block table in every KV-cache group: one here (the coordinator of a
+        hybrid model has one per group). What the model runner hands attention."""
+        return [self.block_table(seq_id)]
+
+    def slots(self, seq_id: Hashable, start: int = 0) -> list[list[int]]:
+        """The slots of token positions ``start..`` in every KV-cache group (one here)."""
+        return [self._seqs.on_gpu(seq_id).live_slots(start)]
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        """Blocks a new sequence of ``num_tokens`` tokens takes: ceil(num_tokens / block_size)
+        (the coordinator sums its groups). A scheduler asks it to size an admission."""
+        return -(-num_tokens // self.block_size)
 
     def token_ids(self, seq_id: Hashable) -> list[int]:
         return list(self._seqs.table(seq_id).token_ids)  # swapped sequences too
@@ -356,12 +406,16 @@ class KVCacheManager:
                     self._events.evict(seq_id, b, block_hash)
         return blocks
 
-    def _find_prefix(self, tokens: list[int], extra: tuple) -> tuple[list[bytes], list[int]]:
+    def _find_prefix(
+        self, tokens: list[int], extra: tuple, limit: int | None = None
+    ) -> tuple[list[bytes], list[int]]:
         """The hashes of the prompt's full blocks and the cached blocks that hold its longest
-        prefix, never all of it (see ``PrefixCache.match``); ``[], []`` without caching."""
+        prefix, never all of it (see ``PrefixCache.match``), at most ``limit`` of them;
+        ``[], []`` without caching."""
         if self.prefix_cache is None:
             return [], []
-        return self.prefix_cache.match(tokens, self.block_size, extra)
+        hashes, hits = self.prefix_cache.match(tokens, self.block_size, extra)
+        return hashes, hits if limit is None else hits[:limit]
 
     def _cache_full_block(self, seq_id: Hashable, table: BlockTable) -> None:
         """The last block of ``table`` just filled up: hash it (chained on the block before) and
@@ -381,6 +435,8 @@ class KVCacheManager:
         extra = self._seqs.extra_keys[seq_id]
         for j in range(start, len(table.block_hashes)):
             block, block_hash = table.block_ids[j], table.block_hashes[j]
+            if block == NULL_BLOCK:  # freed by a sliding window: nothing there to find
+                continue
             tokens, parent = table.block_tokens(j), parent_hash(table.block_hashes, j)
             if self.prefix_cache.insert(block_hash, block, parent, tokens, extra):
                 self.allocator.mark_cached(block)

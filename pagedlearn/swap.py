@@ -8,7 +8,8 @@ swapped-out sequence keeps its table (tokens, block hashes), whose ids now name 
 request is swapped as a *group* (all its samples at once), so blocks its samples share after
 ``fork`` are copied once and stay shared: a CPU block's refcount counts the swapped tables that
 point at it, as on the GPU. A block the group shares with another request (a prefix-cache hit)
-stays on the GPU for that request.
+stays on the GPU for that request. A sliding window's null entries (block_table.py) move
+nowhere: they stay null in either pool.
 
 ``swap_out`` and ``swap_in`` copy nothing themselves: they return ``(src, dst)`` block pairs, and
 the engine moves the KV before the next forward pass, in this order: swap-out copies (GPU -> CPU),
@@ -45,7 +46,7 @@ from typing import Protocol
 
 from pagedlearn.block_allocator import BlockAllocator
 from pagedlearn.block_events import BlockEvents
-from pagedlearn.block_table import BlockTable
+from pagedlearn.block_table import NULL_BLOCK, BlockTable
 from pagedlearn.errors import OutOfBlocksError, PagedLearnError
 from pagedlearn.sequence_tables import SequenceTables, id_list
 
@@ -79,7 +80,7 @@ def swap_out(kv: Manager, seq_ids: Iterable[Hashable]) -> list[tuple[int, int]]:
     """
     ids = _group(kv, seq_ids, swapped=False, what="swap_out")
     tables = [kv._seqs.gpu[s] for s in ids]
-    refs = Counter(b for t in tables for b in t.block_ids)  # GPU block -> group references
+    refs = Counter(b for t in tables for b in t.live_blocks())  # GPU block -> group references
     _check_copy_order(kv, "swap_out", reads=refs.keys())
     cpu = kv.cpu_allocator
     if len(refs) > cpu.num_free_blocks:
@@ -90,11 +91,11 @@ def swap_out(kv: Manager, seq_ids: Iterable[Hashable]) -> list[tuple[int, int]]:
     to_cpu = dict(zip(refs, cpu.allocate(len(refs)), strict=True))
     cpu.incref(to_cpu[b] for b, n in refs.items() for _ in range(n - 1))
     for s, t in zip(ids, tables, strict=True):
-        gpu = t.block_ids
+        gpu = t.live_blocks()
         kv.allocator.free(gpu[::-1])  # tail first, as in free_sequence
-        t.block_ids = [to_cpu[b] for b in gpu]
+        t.block_ids = _renamed(t.block_ids, to_cpu)
         kv._seqs.to_cpu(s)
-        kv._events.swap_out(s, gpu, t.block_ids)
+        kv._events.swap_out(s, gpu, t.live_blocks())
     return list(to_cpu.items())
 
 
@@ -111,7 +112,7 @@ def swap_in(kv: Manager, seq_ids: Iterable[Hashable]) -> list[tuple[int, int]]:
     ids = _group(kv, seq_ids, swapped=True, what="swap_in")
     _check_copy_order(kv, "swap_in")
     tables = [kv._seqs.cpu[s] for s in ids]
-    refs = Counter(b for t in tables for b in t.block_ids)  # CPU block -> group references
+    refs = Counter(b for t in tables for b in t.live_blocks())  # CPU block -> group references
     a = kv.allocator
     if len(refs) > a.num_free_blocks:
         raise OutOfBlocksError(len(refs), a.num_free_blocks, a.num_blocks, what=f"swap_in({ids!r})")
@@ -119,15 +120,15 @@ def swap_in(kv: Manager, seq_ids: Iterable[Hashable]) -> list[tuple[int, int]]:
     # sequence whose KV takes the block.
     to_gpu: dict[int, int] = {}
     for s, t in zip(ids, tables, strict=True):
-        new = [c for c in t.block_ids if c not in to_gpu]
+        new = [c for c in t.live_blocks() if c not in to_gpu]
         to_gpu.update(zip(new, kv._allocate(len(new), s), strict=True))
     a.incref(to_gpu[c] for c, n in refs.items() for _ in range(n - 1))
-    kv.cpu_allocator.free(c for t in tables for c in t.block_ids)
+    kv.cpu_allocator.free(c for t in tables for c in t.live_blocks())
     for s, t in zip(ids, tables, strict=True):
-        cpu_blocks = t.block_ids
-        t.block_ids = [to_gpu[c] for c in cpu_blocks]
+        cpu_blocks = t.live_blocks()
+        t.block_ids = _renamed(t.block_ids, to_gpu)
         kv._seqs.to_gpu(s)
-        kv._events.swap_in(s, t.block_ids, cpu_blocks)
+        kv._events.swap_in(s, t.live_blocks(), cpu_blocks)
         kv._index_blocks(s, t)  # the KV is back: let other requests find it
     return list(to_gpu.items())
 
@@ -135,7 +136,12 @@ def swap_in(kv: Manager, seq_ids: Iterable[Hashable]) -> list[tuple[int, int]]:
 def blocks_to_swap_in(kv: Manager, seq_ids: Iterable[Hashable]) -> int:
     """GPU blocks ``swap_in(seq_ids)`` would allocate: the group's distinct CPU blocks."""
     ids = _group(kv, seq_ids, swapped=True, what="blocks_to_swap_in")
-    return len({b for s in ids for b in kv._seqs.cpu[s].block_ids})
+    return len({b for s in ids for b in kv._seqs.cpu[s].live_blocks()})
+
+
+def _renamed(block_ids: list[int], new_id: dict[int, int]) -> list[int]:
+    """A table's entries in the other pool; a sliding window's null entries stay null."""
+    return [b if b == NULL_BLOCK else new_id[b] for b in block_ids]
 
 
 def _group(kv: Manager, seq_ids: Iterable[Hashable], swapped: bool, what: str) -> list[Hashable]:

@@ -14,10 +14,15 @@ kind             blocks               seqs    what happened
 ===============  ===================  ======  =====================================================
 ``allocate``     new blocks           (s,)    free blocks got refcount 1, appended to s's table
 ``cache_hit``    cached blocks        (s,)    s reuses cached blocks (refcount +1), appended
+                                              (after ``info["skipped"]`` null entries, if
+                                              given: a sliding window needs no older block)
 ``incref``       parent's blocks      (p, c)  fork: child c shares all of p's blocks
 ``cow_copy``     (src, dst)           (s,)    copy-on-write: s's last block src -> fresh dst
 ``free``         s's blocks           (s,)    s finished: refcount -1 each, its table is gone
 ``free``         s's CPU blocks       (s,)    ``info["cpu"]``: a swapped-out s finished (aborted)
+``window_free``  s's oldest blocks    (s,)    a sliding window left them behind: refcount -1
+                                              each; s's entries ``info["first"]...`` are now
+                                              null (-1); s's table keeps its length
 ``cache_store``  (b,)                 (s,)    s's full block b registered: ``info["hash"]``,
                                               its tokens ``info["tokens"]``
 ``evict``        (b,)                 (s,)    cached block b taken for s's new data; hash gone

@@ -13,7 +13,8 @@ table in :mod:`pagedlearn.trace`):
   ones (a block the replay never saw cached may be evicted: a recording that began after an
   earlier run evicts what that run cached); a ``free`` or ``swap_out`` names exactly the
   sequence's table, so no refcount ever drops below zero; ``swap_in`` brings back exactly the
-  CPU blocks the sequence was swapped out to;
+  CPU blocks the sequence was swapped out to; a ``window_free`` names the oldest live blocks
+  of a table (a sliding window's null entries, -1, only ever form a table's head);
 - a ``step`` sends each sequence's tokens from a position the replay holds, and its counts add up.
 
 A trace recorded here obeys them all; a file that breaks one was edited, truncated, or recorded
@@ -89,7 +90,7 @@ def _check_fits(replay, e) -> None:
             raise Problem(f"forks sequence {parent!r} into itself")
         if child in replay.tables or child in replay.swapped:
             raise Problem(f"forks into sequence {child!r}, which already exists")
-        if list(e.blocks) != table:
+        if list(e.blocks) != _live(table):
             raise Problem(f"shares blocks {show(list(e.blocks))}, not the table of {parent!r}")
     elif kind == "cow_copy":
         table = _gpu_table(replay, s, "copies on write for")
@@ -98,12 +99,23 @@ def _check_fits(replay, e) -> None:
     elif kind == "free" and on_cpu:
         if s not in replay.swapped:
             raise Problem(f"frees the CPU blocks of sequence {s!r}, which is not swapped out")
-        if sorted(e.blocks) != sorted(replay.swapped[s]):
+        if sorted(e.blocks) != sorted(_live(replay.swapped[s])):
             raise Problem(f"frees CPU blocks that are not the swapped-out table of {s!r}")
     elif kind in ("free", "swap_out"):  # each block of s's table loses the reference s held
         table = _gpu_table(replay, s, "frees" if kind == "free" else "swaps out")
-        if sorted(e.blocks) != sorted(table):
+        if sorted(e.blocks) != sorted(_live(table)):
             raise Problem(f"names blocks {show(list(e.blocks))}, not the table of {s!r}")
+    elif kind == "window_free":  # the oldest live entries of s's table, right after its nulls
+        table, first = _gpu_table(replay, s, "frees the window of"), info.get("first")
+        if first != len(table) - len(_live(table)) or table[first : first + len(e.blocks)] != list(
+            e.blocks
+        ):
+            raise Problem(
+                f"frees blocks {show(list(e.blocks))} from entry {show(first)}, not the oldest "
+                f"live blocks of {s!r}"
+            )
+    elif kind == "cache_hit" and (info.get("skipped") or 0) and s in replay.tables:
+        raise Problem(f"skips the first entries of {s!r}, whose table already exists")
     if kind in ("swap_out", "swap_in"):
         if "cpu_blocks" not in info:
             raise Problem("info.cpu_blocks is missing")
@@ -115,7 +127,7 @@ def _check_fits(replay, e) -> None:
             )
         for i, b in enumerate(cpu_blocks):
             check_block_id(b, f"info.cpu_blocks[{i}]", ncpu, True)
-        if kind == "swap_in" and replay.swapped.get(s) != cpu_blocks:
+        if kind == "swap_in" and _live(replay.swapped.get(s) or [None]) != cpu_blocks:
             why = "is not swapped out" if s not in replay.swapped else "has other CPU blocks"
             raise Problem(f"swaps in sequence {s!r}, which {why}")
     elif kind == "cache_store":
@@ -137,6 +149,11 @@ def _check_shape(kind: str, blocks, seqs) -> None:
         raise Problem(f"has {len(blocks)} blocks; {a} {kind} event has {num_blocks}")
     if num_seqs is not None and len(seqs) != num_seqs:
         raise Problem(f"has {len(seqs)} sequences; {a} {kind} event has {num_seqs}")
+
+
+def _live(table: list[int]) -> list[int]:
+    """A table's blocks, less the null (-1) entries a sliding window left (block_table.py)."""
+    return [b for b in table if b != -1]
 
 
 def _gpu_table(replay, s, verb: str) -> list[int]:

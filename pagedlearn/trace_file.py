@@ -59,6 +59,7 @@ SHAPES = {
     "incref": (None, 2),
     "cow_copy": (2, 1),
     "free": (None, 1),
+    "window_free": (None, 1),
     "cache_store": (1, 1),
     "evict": (1, 1),
     "swap_out": (None, 1),
@@ -150,6 +151,10 @@ def _event_fields(d, expected: int | None, meta: dict) -> tuple:
         raise Problem(f"seqs is {show(seqs)}, not a list of sequence ids")
     for i, s in enumerate(seqs):
         check_name(s, f"seqs[{i}]")
+    if kind == "window_free":
+        check_int(info.get("first"), "info.first")
+    elif kind == "cache_hit" and "skipped" in info:
+        check_int(info["skipped"], "info.skipped")
     if kind == "cache_store":
         check_string(info.get("hash"), "info.hash")
         if "tokens" in info:
@@ -187,8 +192,11 @@ def _check_step_info(info: dict) -> None:
     if type(stats) is not dict:
         raise Problem(f"info.stats is {show(stats)}, not an object")
     for key, value in stats.items():
-        if type(value) not in (int, float) or not math.isfinite(value) or abs(value) > MAX_INT:
-            raise Problem(f"info.stats[{show(key)}] is {show(value)}, not a number")
+        # A number, or (group_blocks: per KV-cache group) an object of numbers.
+        for k, v in value.items() if type(value) is dict else [(None, value)]:
+            if type(v) not in (int, float) or not math.isfinite(v) or abs(v) > MAX_INT:
+                where = show(key) if k is None else f"{show(key)}][{show(k)}"
+                raise Problem(f"info.stats[{where}] is {show(v)}, not a number")
     missing = [key for key in STATS_SHOWN if key not in stats]
     if stats and missing:
         raise Problem(f"info.stats has no {', '.join(missing)} (the stats line shows them)")

@@ -2,7 +2,8 @@
 
 Apply the events of a trace (what each kind means: the table in :mod:`pagedlearn.trace`) one by
 one to an empty pool, and you get back what the KV-cache manager holds -- every block's refcount,
-every sequence's block table, the cached blocks' hashes and tokens, the tables of swapped-out
+every sequence's block table (with the null entries, -1, a sliding window left), the cached
+blocks' hashes and tokens, the tables of swapped-out
 sequences -- and, from the ``step`` events, every sequence's tokens. The replay knows nothing of
 the manager's code, which is the point: if the manager forgot to announce an operation, the two
 would drift apart, and the tests compare them after every random operation
@@ -44,6 +45,8 @@ from collections.abc import Hashable, Iterable
 from typing import Any
 
 from pagedlearn.trace_checks import check_event, check_pool
+
+NULL = -1  # a table entry whose block a sliding window freed (block_table.NULL_BLOCK)
 
 # Events are pagedlearn.trace.Event records; this module reads only their ``kind``, ``blocks``,
 # ``seqs`` and ``info`` and does not import trace.py, which imports it (EventLog.replay).
@@ -92,11 +95,17 @@ class PoolReplay:
         if e.kind in ("allocate", "cache_hit"):
             for b in e.blocks:
                 rc[b] += 1
-            self.tables.setdefault(e.seqs[0], []).extend(e.blocks)
+            nulls = [NULL] * (e.info.get("skipped") or 0)  # entries a sliding window skips
+            self.tables.setdefault(e.seqs[0], []).extend(nulls + list(e.blocks))
         elif e.kind == "incref":
             for b in e.blocks:
                 rc[b] += 1
-            self.tables[e.seqs[1]] = list(e.blocks)
+            self.tables[e.seqs[1]] = list(self.tables[e.seqs[0]])  # null entries included
+        elif e.kind == "window_free":  # a sliding window left these blocks behind
+            for b in e.blocks:
+                rc[b] -= 1
+            first = e.info["first"]
+            self.tables[e.seqs[0]][first : first + len(e.blocks)] = [NULL] * len(e.blocks)
         elif e.kind == "cow_copy":
             src, dst = e.blocks
             rc[src] -= 1
@@ -111,13 +120,13 @@ class PoolReplay:
         elif e.kind == "swap_out":
             for b in e.blocks:
                 rc[b] -= 1
-            del self.tables[e.seqs[0]]
-            self.swapped[e.seqs[0]] = list(e.info["cpu_blocks"])
+            nulls = self.tables.pop(e.seqs[0]).count(NULL)  # they stay null, in either pool
+            self.swapped[e.seqs[0]] = [NULL] * nulls + list(e.info["cpu_blocks"])
         elif e.kind == "swap_in":
             for b in e.blocks:
                 rc[b] += 1
-            del self.swapped[e.seqs[0]]
-            self.tables[e.seqs[0]] = list(e.blocks)
+            nulls = self.swapped.pop(e.seqs[0]).count(NULL)
+            self.tables[e.seqs[0]] = [NULL] * nulls + list(e.blocks)
         elif e.kind == "preempt":
             pass  # why blocks moved; the free or swap_out events around it say how
         elif e.kind == "step":

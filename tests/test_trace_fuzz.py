@@ -53,7 +53,7 @@ JUNK = [-1, -7, 2**31, 2**63, 10**12, 10**30, 0.5, 1e308, float("nan"), float("i
 
 @functools.cache
 def seeds() -> tuple[str, ...]:
-    """The JSON of the two real recordings."""
+    """The JSON of the three real recordings."""
     kv = KVCacheManager(8, 2, enable_prefix_caching=True, num_cpu_blocks=6)
     log = kv.record()
     kv.add_sequence("a", [1, 2, 3])
@@ -72,10 +72,33 @@ def seeds() -> tuple[str, ...]:
     kv.mark_step(step=3)
     kv.free_sequence("b")
     kv.mark_step(step=4)
-    texts = log.to_json(), engine_run()
+    texts = log.to_json(), engine_run(), hybrid_run()
     for text in texts:  # they load, and every module the viewer needs is imported before the
         use(text)  # fuzzing measures memory
     return texts
+
+
+def hybrid_run() -> str:
+    """A full and a sliding group over one pool: window frees, a hit that skips, swaps."""
+    from pagedlearn.kv_cache_coordinator import KVCacheCoordinator
+    from pagedlearn.kv_cache_groups import group_layers
+
+    kv = KVCacheCoordinator(group_layers([None, 4]), 16, 2, True, num_cpu_blocks=8)
+    log = kv.record()
+    kv.add_sequence("a", [1, 2, 3, 4, 5, 6, 7])
+    kv.mark_step(step=1)
+    assert kv.remove_skipped_blocks("a", 7) == 2  # query 7 sees 4..7: blocks 0 and 1 are dead
+    kv.append_token("a", 8)
+    # b's query 6 sees 3..6: the sliding group needs blocks 1 and 2 only (block 0 is skipped)
+    assert kv.add_sequence("b", [1, 2, 3, 4, 5, 6, 9]) == 6
+    kv.mark_step(step=2)
+    kv.swap_out(["a"])
+    kv.swap_in(["a"])
+    kv.mark_step(step=3)
+    kv.free_sequence("b")
+    kv.mark_step(step=4)
+    kv.check_invariants()
+    return log.to_json()
 
 
 def engine_run() -> str:

@@ -1,0 +1,297 @@
+"""The KV-cache coordinator: one manager per KV-cache group, one shared pool of blocks.
+
+A model that mixes attention kinds (kv_cache_groups.py: full and sliding-window layers) needs a
+block table per sequence *per group*. The coordinator (vLLM: ``HybridKVCacheCoordinator`` in
+``vllm/v1/core/kv_cache_coordinator.py``) keeps one :class:`KVCacheManager` per group -- a
+:class:`SlidingWindowManager` for a sliding group -- and makes them share one pool: one
+allocator (refcounts, the free queue, LRU eviction), one prefix cache (each group's block hashes
+carry its name, so groups never share KV), one CPU swap pool, one trace, one list of pending
+copies. It speaks the manager's API, so the scheduler and the engine drive either the same way:
+
+::
+
+    coordinator.add_sequence("a", prompt)      every group: a table for "a"
+         │                                     full: [3, 7, 8]   sliding 24: [4, 5, 6]
+    coordinator.remove_skipped_blocks("a", n)  full: keeps all   sliding: [-1, 5, 6] (4 freed)
+    coordinator.append_token("a", t)           every group appends; one new block each at most
+    coordinator.block_tables("a")              [[3, 7, 8], [-1, 5, 6]]: what attention reads
+
+Rules worth knowing:
+
+- **All or nothing across groups.** An operation first asks every group how many blocks it
+  needs (``blocks_to_append``, ``blocks_to_swap_in``, ...), raises :class:`OutOfBlocksError` if
+  the sum does not fit, and only then lets each group act: no group is left half done.
+- **One prefix-cache hit length for all groups.** A prompt's first ``h`` blocks are skipped only
+  if *every* group can skip them: the full group needs blocks ``0..h-1`` cached, a sliding group
+  only those its window sees (sliding_window_manager.py). The coordinator lowers ``h`` until all
+  groups agree -- a cached prefix can be worth less under a window (older blocks evicted) or
+  more (a hit where the full group's prefix is broken is still no hit).
+- ``block_table(seq_id)``, ``slot_mapping(seq_id)`` and ``append_token``'s return value are
+  group 0's (the full-attention group, when there is one): code written for GPT-2 still reads
+  something true. ``block_tables`` and ``slots`` give every group's.
+- The trace names a sequence's table in group ``g`` ``"<seq id>|<g>"`` (block_events.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable, Sequence
+from typing import Any
+
+from pagedlearn.block_events import group_seq_id
+from pagedlearn.errors import OutOfBlocksError, PagedLearnError
+from pagedlearn.invariants import check_invariants
+from pagedlearn.kv_cache_groups import KVCacheGroupSpec
+from pagedlearn.kv_cache_manager import KVCacheManager
+from pagedlearn.prefix_cache import make_extra_keys
+from pagedlearn.sequence_tables import SequenceTables, check_tokens, id_list
+from pagedlearn.sliding_window_manager import SlidingWindowManager
+from pagedlearn.trace import EventLog, StepMarker
+
+
+class KVCacheCoordinator:
+    """Block bookkeeping for a model with several KV-cache groups over one pool of
+    ``num_blocks`` blocks (each block holds one group's layers; kv_cache.py).
+
+    >>> from pagedlearn.kv_cache_groups import group_layers
+    >>> kv = KVCacheCoordinator(group_layers([8, None]), num_blocks=16, block_size=4)
+    >>> kv.add_sequence("a", list(range(14)))     # 4 blocks in each of the 2 groups
+    0
+    >>> kv.remove_skipped_blocks("a", 14), kv.block_tables("a")   # query 14 sees 7..14
+    (1, [[0, 1, 2, 3], [-1, 5, 6, 7]])
+    >>> kv.stats()["groups"]
+    {'full': 4, 'sliding 8': 3}
+    """
+
+    def __init__(
+        self,
+        groups: Sequence[KVCacheGroupSpec],
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = False,
+        model_id: Hashable = None,
+        num_cpu_blocks: int = 0,
+    ) -> None:
+        if not groups:
+            raise PagedLearnError("a KV-cache coordinator needs at least one KV-cache group")
+        self.groups = list(groups)
+        self.managers: list[KVCacheManager] = []
+        for g in self.groups:
+            shared = {
+                "enable_prefix_caching": enable_prefix_caching,
+                "model_id": (model_id, g.name),  # in every block hash: groups never share KV
+                "num_cpu_blocks": num_cpu_blocks,
+                "share_pool_of": self.managers[0] if self.managers else None,
+                "group": g.name,
+            }
+            if g.sliding_window is None:
+                m = KVCacheManager(num_blocks, block_size, **shared)
+            else:
+                m = SlidingWindowManager(num_blocks, block_size, g.sliding_window, **shared)
+            self.managers.append(m)
+        first = self.managers[0]
+        self.block_size, self.model_id = block_size, model_id
+        self.enable_prefix_caching = enable_prefix_caching
+        self.allocator, self.cpu_allocator = first.allocator, first.cpu_allocator
+        self.prefix_cache, self.trace = first.prefix_cache, first.trace
+        self._marker = StepMarker()
+
+    # --- the sequence lifecycle: each group in turn, after checking that all of them fit -------
+    def add_sequence(
+        self,
+        seq_id: Hashable,
+        token_ids: Iterable[int],
+        cache_salt: Hashable = None,
+        adapter_id: Hashable = None,
+    ) -> int:
+        """A table in every group for the prompt; returns the prompt tokens whose KV is reused
+        (the same in every group). Raises :class:`OutOfBlocksError`, changing nothing, when the
+        groups' blocks together do not fit."""
+        self.managers[0]._seqs.check_new(seq_id)
+        tokens = check_tokens(token_ids)
+        hit = self._agreed_hit(tokens, cache_salt, adapter_id)
+        need = 0
+        for m in self.managers:
+            extra = make_extra_keys(m.model_id, adapter_id, cache_salt)
+            _, hits = m._find_prefix(tokens, extra, hit)
+            live = [b for b in hits if b >= 0]
+            revived = sum(1 for b in live if self.allocator.refcount(b) == 0)
+            need += m.blocks_needed(len(tokens)) - len(hits) + revived
+        self._fits(need, f"add_sequence({seq_id!r}) with {len(tokens)} tokens")
+        for m in self.managers:
+            m.add_sequence(seq_id, tokens, cache_salt, adapter_id, max_cached_blocks=hit)
+        return hit * self.block_size
+
+    def append_token(self, seq_id: Hashable, token_id: int) -> int:
+        """Append to every group's table; returns group 0's slot (``slots`` gives them all)."""
+        self._fits(self.blocks_to_append([seq_id]), f"append_token({seq_id!r})")
+        slots = [m.append_token(seq_id, token_id) for m in self.managers]
+        return slots[0]
+
+    def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
+        self.managers[0]._seqs.on_gpu(parent_id)
+        self.managers[0]._seqs.check_new(child_id)
+        for m in self.managers:
+            m.fork(parent_id, child_id)
+
+    def free_sequence(self, seq_id: Hashable) -> None:
+        self.managers[0]._seqs.is_swapped(seq_id)  # raises for an unknown id
+        for m in self.managers:
+            m.free_sequence(seq_id)
+
+    def remove_skipped_blocks(self, seq_id: Hashable, num_computed_tokens: int) -> int:
+        """Every sliding group frees what its window left behind; returns the blocks freed."""
+        return sum(m.remove_skipped_blocks(seq_id, num_computed_tokens) for m in self.managers)
+
+    def pop_copies(self) -> list[tuple[int, int]]:
+        return self.managers[0].pop_copies()  # one list, shared by every group
+
+    def swap_out(self, seq_ids: Iterable[Hashable]) -> list[tuple[int, int]]:
+        """Swap a group of sequences out in every KV-cache group (all or nothing)."""
+        ids = id_list(seq_ids, "swap_out")
+        if self.cpu_allocator is None:
+            raise PagedLearnError("swap_out: swap needs num_cpu_blocks > 0")
+        for s in ids:
+            self.managers[0]._seqs.on_gpu(s)
+        need = sum(
+            len({b for s in ids for b in m._seqs.gpu[s].live_blocks()}) for m in self.managers
+        )
+        cpu = self.cpu_allocator
+        if need > cpu.num_free_blocks:
+            raise OutOfBlocksError(
+                need, cpu.num_free_blocks, cpu.num_blocks, f"swap_out({ids!r}) to CPU"
+            )
+        return [c for m in self.managers for c in m.swap_out(ids)]
+
+    def swap_in(self, seq_ids: Iterable[Hashable]) -> list[tuple[int, int]]:
+        """Bring a swapped-out group back in every KV-cache group (all or nothing)."""
+        ids = id_list(seq_ids, "swap_in")
+        self._fits(self.blocks_to_swap_in(ids), f"swap_in({ids!r})", count=False)
+        return [c for m in self.managers for c in m.swap_in(ids)]
+
+    # --- queries ---------------------------------------------------------------------------------
+    def block_table(self, seq_id: Hashable) -> list[int]:
+        return self.managers[0].block_table(seq_id)
+
+    def block_tables(self, seq_id: Hashable) -> list[list[int]]:
+        """The sequence's table in each group, in group order (what attention reads)."""
+        return [m.block_table(seq_id) for m in self.managers]
+
+    def slot_mapping(self, seq_id: Hashable) -> list[int]:
+        return self.managers[0].slot_mapping(seq_id)
+
+    def slots(self, seq_id: Hashable, start: int = 0) -> list[list[int]]:
+        """The slots of positions ``start..`` in each group (-1 where a window freed the block)."""
+        return [m.slots(seq_id, start)[0] for m in self.managers]
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        """Blocks a new sequence of ``num_tokens`` tokens takes: a table's worth per group."""
+        return sum(m.blocks_needed(num_tokens) for m in self.managers)
+
+    def blocks_to_append(self, seq_ids: Iterable[Hashable]) -> int:
+        ids = id_list(seq_ids, "blocks_to_append")
+        return sum(m.blocks_to_append(ids) for m in self.managers)
+
+    def blocks_to_swap_in(self, seq_ids: Iterable[Hashable]) -> int:
+        ids = id_list(seq_ids, "blocks_to_swap_in")
+        return sum(m.blocks_to_swap_in(ids) for m in self.managers)
+
+    def cached_prefix_tokens(
+        self, token_ids: Iterable[int], cache_salt: Hashable = None, adapter_id: Hashable = None
+    ) -> int:
+        """Prompt tokens ``add_sequence`` would reuse now (every group agreeing); changes
+        nothing."""
+        return self._agreed_hit(check_tokens(token_ids), cache_salt, adapter_id) * self.block_size
+
+    def token_ids(self, seq_id: Hashable) -> list[int]:
+        return self.managers[0].token_ids(seq_id)
+
+    def num_tokens(self, seq_id: Hashable) -> int:
+        return self.managers[0].num_tokens(seq_id)
+
+    def sequences(self) -> list[Hashable]:
+        return self.managers[0].sequences()
+
+    def swapped_sequences(self) -> list[Hashable]:
+        return self.managers[0].swapped_sequences()
+
+    def is_swapped(self, seq_id: Hashable) -> bool:
+        return self.managers[0].is_swapped(seq_id)
+
+    def __contains__(self, seq_id: Hashable) -> bool:
+        return seq_id in self.managers[0]
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.allocator.num_free_blocks
+
+    def group_tables(self) -> dict[str, dict]:
+        """Every group's tables by traced id ``"<seq id>|<group>"``: GPU ones, then swapped."""
+        tables = {}
+        for g, m in zip(self.groups, self.managers, strict=True):
+            tables.update({group_seq_id(s, g.name): t for s, t in m._seqs.gpu.items()})
+        for g, m in zip(self.groups, self.managers, strict=True):
+            tables.update({group_seq_id(s, g.name): t for s, t in m._seqs.cpu.items()})
+        return tables
+
+    def stats(self) -> dict[str, Any]:
+        """The manager's numbers for the shared pool, counters summed over the groups (prefix
+        hits counted once: every group hits the same tokens), and ``groups``: the GPU blocks
+        each group's tables hold (a block shared by forks counted once)."""
+        per = [m.stats() for m in self.managers]
+        out = dict(per[0])
+        for key in ("cow_copies", "allocation_failures", "swap_out_blocks", "swap_in_blocks"):
+            out[key] = sum(p[key] for p in per)
+        out["window_freed_blocks"] = sum(p.get("window_freed_blocks", 0) for p in per)
+        out["groups"] = {
+            g.name: len({b for t in m._seqs.gpu.values() for b in t.live_blocks()})
+            for g, m in zip(self.groups, self.managers, strict=True)
+        }
+        return out
+
+    def record(self) -> EventLog:
+        meta = {"num_blocks": self.allocator.num_blocks, "block_size": self.block_size}
+        if self.cpu_allocator is not None:
+            meta["num_cpu_blocks"] = self.cpu_allocator.num_blocks
+        return EventLog(self.trace, meta=meta)
+
+    def mark_step(self, **info) -> None:
+        self._marker.mark(self.trace, self.group_tables(), info)
+
+    def check_invariants(self) -> None:
+        """The manager's invariants over the shared pool, every group's tables counted; and
+        every group holds the same sequences, with the same tokens."""
+        merged = SequenceTables()
+        for g, m in zip(self.groups, self.managers, strict=True):
+            for side in ("gpu", "cpu"):
+                for s, t in getattr(m._seqs, side).items():
+                    getattr(merged, side)[group_seq_id(s, g.name)] = t
+                    merged.extra_keys[group_seq_id(s, g.name)] = m._seqs.extra_keys[s]
+            if m._seqs.gpu.keys() != self.managers[0]._seqs.gpu.keys() or any(
+                t.token_ids != self.managers[0]._seqs.table(s).token_ids
+                for s, t in m._seqs.all().items()
+            ):
+                raise PagedLearnError(f"invariant violated: group {g.name!r} holds other sequences")
+        check_invariants(
+            merged, self.allocator, self.cpu_allocator, self.prefix_cache, self.block_size
+        )
+
+    # --- internals -------------------------------------------------------------------------------
+    def _agreed_hit(self, tokens: list[int], cache_salt, adapter_id) -> int:
+        """The most prompt blocks every group can skip: lowered until all of them agree."""
+        if self.prefix_cache is None:
+            return 0
+        hit: int | None = None
+        while True:
+            agreed = hit
+            for m in self.managers:
+                extra = make_extra_keys(m.model_id, adapter_id, cache_salt)
+                hit = len(m._find_prefix(tokens, extra, hit)[1])
+            if hit == agreed:
+                return hit
+
+    def _fits(self, need: int, what: str, count: bool = True) -> None:
+        a = self.allocator
+        if need > a.num_free_blocks:
+            if count:
+                self.managers[0]._counters["allocation_failures"] += 1
+            raise OutOfBlocksError(need, a.num_free_blocks, a.num_blocks, what=what)

@@ -1,0 +1,183 @@
+"""KV-cache groups: the grouping rule, the sliding-window manager, the coordinator over one pool."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from pagedlearn import OutOfBlocksError, PagedLearnError
+from pagedlearn.kv_cache import KVCache, KVCacheSpec
+from pagedlearn.kv_cache_coordinator import KVCacheCoordinator
+from pagedlearn.kv_cache_groups import group_layers, sliding_blocks_held
+from pagedlearn.sliding_window_manager import SlidingWindowManager
+from pagedlearn.trace import PoolReplay
+
+
+def test_grouping_follows_vllms_uniform_page_rule():
+    assert [g.name for g in group_layers([None, None])] == ["full"]
+    assert [g.layer_ids for g in group_layers([5, None, 5, None])] == [(1, 3), (0, 2)]
+    # 5 sliding to 1 full: groups of the smaller count, the last one padded
+    groups = group_layers(([7] * 5 + [None]) * 2)
+    assert [(g.name, len(g.layer_ids)) for g in groups] == [
+        ("full", 2), ("sliding 7 #0", 2), ("sliding 7 #1", 2), ("sliding 7 #2", 2),
+        ("sliding 7 #3", 2), ("sliding 7 #4", 2),
+    ]  # fmt: skip
+    # within 25%: the larger count, less padding (5 full, 6 sliding -> groups of 6)
+    assert [len(g.layer_ids) for g in group_layers([None] * 5 + [3] * 6)] == [5, 6]
+    assert [len(g.layer_ids) for g in group_layers([None] * 4 + [3] * 5)] == [4, 4, 1]
+    for bad in ([], [0], [2.5], [True]):
+        with pytest.raises(PagedLearnError):
+            group_layers(bad)
+
+
+def test_a_block_holds_one_groups_layers_and_the_bytes_follow():
+    spec = KVCacheSpec(4, 2, 16, torch.float32, layer_windows=(24, None, 24, None))
+    assert spec.is_hybrid and spec.layers_per_block == 2
+    assert (
+        spec.block_bytes(16) == 16 * 2 * 2 * 2 * 16 * 4
+    )  # tokens x K,V x layers x heads x dim x B
+    assert spec.num_blocks_for(spec.block_bytes(16) * 10, 16) == 10
+    # 4096 tokens: the full group keeps 256 blocks, the sliding one 2
+    assert spec.sequence_bytes(4096, 16) == (256 + 2) * spec.block_bytes(16)
+    full = KVCacheSpec(4, 2, 16, torch.float32)
+    assert full.sequence_bytes(4096, 16) == 256 * full.block_bytes(16)
+    cache = KVCache(spec, num_blocks=3, block_size=16)
+    assert cache.slab.shape == (2, 2, 3, 16, 2, 16)
+    assert [cache.group_of(layer) for layer in range(4)] == [1, 0, 1, 0]
+    assert cache.key_cache(0).data_ptr() == cache.key_cache(1).data_ptr()  # same slot, 2 groups
+    with pytest.raises(PagedLearnError, match="3 entries for 4 layers"):
+        KVCacheSpec(4, 2, 16, torch.float32, layer_windows=(1, 2, 3))
+
+
+@pytest.mark.parametrize(("window", "block_size"), [(1, 1), (6, 4), (8, 4), (24, 16), (5, 3)])
+def test_the_sliding_manager_holds_the_windows_blocks_only(window, block_size):
+    kv = SlidingWindowManager(64, block_size, sliding_window=window)
+    kv.add_sequence("a", [1])
+    for n in range(1, 120):
+        kv.remove_skipped_blocks("a", n)
+        kv.append_token("a", n % 250)
+        table = kv.block_table("a")
+        live = [b for b in table if b >= 0]
+        assert len(live) == sliding_blocks_held(n + 1, window, block_size)
+        assert len(live) <= -(-window // block_size) + 1
+        assert table[: len(table) - len(live)] == [-1] * (len(table) - len(live))  # nulls: head
+        # every position the newest query sees has a slot; no older one does
+        slots = kv.slot_mapping("a")
+        assert all(s >= 0 for s in slots[max(0, n - window + 1) :])
+        kv.check_invariants()
+    assert kv.stats()["window_freed_blocks"] == len(kv.block_table("a")) - len(live)
+
+
+def test_remove_skipped_blocks_refuses_bad_input_and_changes_nothing():
+    kv = SlidingWindowManager(8, 4, sliding_window=4)
+    kv.add_sequence("a", list(range(10)))
+    for bad in (-1, 11, 2.0, True, None):
+        with pytest.raises(PagedLearnError, match="num_computed_tokens"):
+            kv.remove_skipped_blocks("a", bad)
+    assert kv.block_table("a") == [0, 1, 2]
+    with pytest.raises(PagedLearnError, match="unknown sequence"):
+        kv.remove_skipped_blocks("zz", 3)
+    with pytest.raises(PagedLearnError, match="sliding_window must be an int >= 1"):
+        SlidingWindowManager(8, 4, sliding_window=0)
+
+
+def test_a_window_hit_needs_only_the_windows_blocks():
+    """Prefix hit from the right (vLLM's rule): the blocks before the window may be gone."""
+    kv = SlidingWindowManager(12, 4, sliding_window=6, enable_prefix_caching=True)
+    prompt = list(range(1, 18))  # 17 tokens: 4 full blocks
+    kv.add_sequence("a", prompt)
+    kv.free_sequence("a")  # all cached, free
+    # A fresh allocation takes (and evicts) the least recently freed cached blocks first: the
+    # tail of "a" was freed first, so evict 2 blocks by hand in a second pool instead.
+    kv2 = SlidingWindowManager(12, 4, sliding_window=6, enable_prefix_caching=True)
+    kv2.add_sequence("a", prompt)
+    first_blocks = kv2.block_table("a")
+    kv2.free_sequence("a")
+    for b in first_blocks[:2]:  # forget logical blocks 0 and 1
+        kv2.prefix_cache.evict(b)
+        kv2.allocator._cached.discard(b)
+        kv2.allocator._free_cached.pop(b, None)
+        kv2.allocator._free_empty[b] = None
+    # The query at 16 sees 11..16: blocks 2 and 3 are enough for a 16-token hit.
+    assert kv2.add_sequence("b", prompt) == 16
+    assert kv2.block_table("b")[:2] == [-1, -1]
+    kv2.check_invariants()
+    # A full-attention manager in the same spot hits nothing: block 0 is gone.
+    assert kv.add_sequence("b", prompt) == 16  # (kv still had everything cached)
+
+
+def test_the_coordinator_is_all_or_nothing_across_groups():
+    kv = KVCacheCoordinator(group_layers([None, 8]), num_blocks=10, block_size=4)
+    kv.add_sequence("a", list(range(12)))  # 3 blocks in each group: 6
+    before = (kv.block_tables("a"), kv.num_free_blocks)
+    with pytest.raises(OutOfBlocksError, match="need 6 blocks, 4 free"):
+        kv.add_sequence("b", list(range(12)))
+    assert "b" not in kv and (kv.block_tables("a"), kv.num_free_blocks) == before
+    assert kv.stats()["allocation_failures"] == 1
+    kv.add_sequence("c", [1, 2, 3, 4])  # 1 + 1 blocks: 2 left
+    kv.append_token("c", 5)  # a new block in each group: 0 left
+    with pytest.raises(OutOfBlocksError):
+        kv.append_token("a", 7)  # a's last blocks are full: one new block per group
+    assert kv.num_tokens("a") == 12 and kv.block_tables("a") == before[0]
+    kv.check_invariants()
+
+
+def test_groups_agree_on_one_hit_length():
+    kv = KVCacheCoordinator(group_layers([None, 6]), 40, 4, enable_prefix_caching=True)
+    prompt = list(range(1, 22))  # 21 tokens: 5 full blocks
+    kv.add_sequence("a", prompt)
+    assert kv.cached_prefix_tokens(prompt) == 20
+    assert kv.add_sequence("b", prompt) == 20
+    tables = kv.block_tables("b")
+    assert tables[0][:5] == kv.block_tables("a")[0][:5]  # full: all five shared
+    assert tables[1][:3] == [-1, -1, -1]  # sliding: the query at 20 sees 15..20 only
+    kv.check_invariants()
+
+
+def test_random_operations_keep_every_invariant_and_the_replay_agrees():
+    """Random add / append (with window frees) / fork / free / swap on a full + sliding model;
+    after each, the invariants hold and a replay of the trace rebuilds every group's tables."""
+    rng = random.Random(0)
+    kv = KVCacheCoordinator(group_layers([None, 5, None, 5]), 48, 2, True, num_cpu_blocks=48)
+    log = kv.record()
+    live, swapped, next_id = [], [], 0
+    for _ in range(400):
+        op = rng.choice(["add", "append", "append", "append", "fork", "free", "swap"])
+        try:
+            if op == "add" or not (live or swapped):
+                tokens = [rng.randrange(4) for _ in range(rng.randrange(1, 12))]
+                kv.add_sequence(f"s{next_id}", tokens)
+                live.append(f"s{next_id}")
+                next_id += 1
+            elif op == "append" and live:
+                s = rng.choice(live)
+                kv.remove_skipped_blocks(s, kv.num_tokens(s))
+                kv.append_token(s, rng.randrange(4))
+            elif op == "fork" and live:
+                kv.fork(rng.choice(live), f"s{next_id}")
+                live.append(f"s{next_id}")
+                next_id += 1
+            elif op == "free" and (live or swapped):
+                s = rng.choice(live + swapped)
+                kv.free_sequence(s)
+                (live if s in live else swapped).remove(s)
+            elif op == "swap":
+                kv.pop_copies()
+                if swapped and rng.random() < 0.5:
+                    s = swapped.pop()
+                    kv.swap_in([s])
+                    live.append(s)
+                elif live:
+                    s = rng.choice(live)
+                    kv.swap_out([s])
+                    live.remove(s)
+                    swapped.append(s)
+        except OutOfBlocksError:
+            pass
+        kv.check_invariants()
+    replay = PoolReplay.from_events(48, log.events, 48)
+    on_gpu = {k: t.block_ids for k, t in kv.group_tables().items() if k.split("|")[0] in live}
+    assert replay.tables == on_gpu
+    assert replay.refcounts == [kv.allocator.refcount(b) for b in range(48)]
