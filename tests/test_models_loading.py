@@ -128,8 +128,9 @@ def test_tiny_models_load_fast_small_in_eval_mode_with_the_byte_tokenizer(name):
     model, cfg = lm.model, lm.model.config
     assert not model.training and not any(p.requires_grad for p in model.parameters())
     assert model.dtype == torch.float32 and model.device.type == "cpu"
-    assert (cfg.vocab_size, cfg.num_hidden_layers, cfg.num_attention_heads) == (258, 2, 4)
-    assert (cfg.hidden_size, cfg.max_position_embeddings) == (64, 512)
+    layers, positions = {"tiny-mistral": (2, 8192), "tiny-gemma3": (4, 8192)}.get(name, (2, 512))
+    assert (cfg.vocab_size, cfg.num_hidden_layers, cfg.num_attention_heads) == (258, layers, 4)
+    assert (cfg.hidden_size, cfg.max_position_embeddings) == (64, positions)
     assert (cfg.eos_token_id, cfg.bos_token_id, cfg.pad_token_id) == (256, 256, 257)
     assert model.get_input_embeddings().weight.shape == (258, 64)
     assert model.generation_config.pad_token_id == 257

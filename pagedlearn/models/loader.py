@@ -7,19 +7,27 @@
   weights and the :class:`~pagedlearn.models.tokenizer.ByteTokenizer`. They need no download, build
   in milliseconds, and are the same bits every time (fixed seed). Their text is random, but the
   attention they run is the real thing, so every lab and test works on a machine without a network.
+- ``"tiny-mistral"`` / ``"tiny-gemma3"`` -- offline models of the same kind whose layers see only
+  a sliding window of the last 24 tokens: every layer (Mistral), or every other layer (Gemma 3's
+  architecture, alternating sliding and full attention). See :func:`tiny_config` and
+  :mod:`.layer_windows`.
 - ``"gpt2-size-random"`` -- GPT-2 small's architecture (124M parameters, 12 layers) with random
   weights (seeded) and the byte tokenizer: the real model's size and compute, offline, for
   benchmarks and timings (its text is random too).
 - ``"auto"`` -- the real ``gpt2`` if it is already in the local Hugging Face cache, else
   ``tiny-gpt2`` with a one-line notice (and ``offline_stand_in=True``). It never downloads.
 - a local folder written by ``save_pretrained()``.
-- a hub name (``"gpt2"``, ``"facebook/opt-125m"``): from the local cache if it is there, else
+- a hub name (``"gpt2"``, ``"facebook/opt-125m"``, ``"mistralai/Mistral-7B-v0.1"``,
+  ``"google/gemma-3-1b-it"``): from the local cache if it is there, else
   downloaded. Without a network this fails within seconds instead of hanging (hub.py asks the
   hub first), and the message points to the offline models.
 
 Only decoder-only causal LMs are accepted: PagedAttention caches the K/V of the past tokens of a
 model that generates one token at a time, as GPT-2 and OPT do (an encoder-decoder such as T5 would
-need a second, cross-attention cache).
+need a second, cross-attention cache). A model whose attention pagedlearn does not compute (sinks,
+softcapping, chunked or linear attention: :func:`~.layer_windows.check_supported`) and a
+multimodal one (Gemma-3-4B and larger read images: use a text-only checkpoint) are refused before
+any weight is read.
 """
 
 from __future__ import annotations
@@ -33,20 +41,21 @@ import torch
 
 from pagedlearn.errors import PagedLearnError
 from pagedlearn.models import hub
+from pagedlearn.models.layer_windows import check_supported
 from pagedlearn.models.tokenizer import ByteTokenizer
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
 
-OFFLINE_MODELS = ("tiny-gpt2", "tiny-opt")
+OFFLINE_MODELS = ("tiny-gpt2", "tiny-opt", "tiny-mistral", "tiny-gemma3")
 GPT2_SIZE_RANDOM = "gpt2-size-random"  # GPT-2 small's shape, random weights: for timings
 TINY_SEED = 0
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _DECODERS_ONLY = "pagedlearn runs decoder-only causal language models (GPT-2, OPT, ...)"
 _OFFLINE_HINT = (
-    "To run without a network, use an offline model ('tiny-gpt2' or 'tiny-opt': random weights, "
-    "random text, real paged attention): load('tiny-gpt2') in Python, or --model tiny-gpt2 on "
-    "the command line."
+    "To run without a network, use an offline model ('tiny-gpt2', 'tiny-opt', or with sliding-"
+    "window layers 'tiny-mistral', 'tiny-gemma3': random weights, random text, real paged "
+    "attention): load('tiny-gpt2') in Python, or --model tiny-gpt2 on the command line."
 )
 
 
@@ -70,7 +79,8 @@ class LoadedModel:
 
 
 def tiny_config(name: str) -> PretrainedConfig:
-    """The config of an offline model: 2 layers, 4 heads of 16 dims, 512 positions, 258 tokens.
+    """The config of an offline model: 4 heads of 16 dims (hidden 64), 258 tokens; tiny-gpt2 and
+    tiny-opt have 2 layers and 512 positions.
 
     The initialiser's std is 0.2, not the usual 0.02. With 0.02 a random model's logits are nearly
     flat (std 0.16), so greedy decoding picks between near-ties that float rounding can flip, and a
@@ -78,10 +88,26 @@ def tiny_config(name: str) -> PretrainedConfig:
     std 1.6), the median gap between the best and the second-best logit is 0.44 for tiny-gpt2 and
     0.36 for tiny-opt over random byte prompts (0.95 and 0.31 along greedy generations; tiny-opt
     at 0.02: 0.05) -- far above float32 rounding, about 1e-6.
+
+    tiny-mistral (2 layers) and tiny-gemma3 (4 layers: sliding, full, sliding, full -- two of each,
+    so their KV-cache groups are the same size) have 2 KV heads (GQA), a sliding window of 24 tokens
+    (on purpose not a multiple of the usual block sizes 4, 8, 16) and 8192 positions, room for a
+    4,096-token generation after a long prompt. At std 0.2 their median gap is 0.38 (tiny-mistral)
+    and 0.32 (tiny-gemma3) over random byte prompts, 0.39 and 0.38 along a 4,096-token greedy
+    generation, whose smallest gap (3e-4) is still about 30 times the largest logit difference
+    between transformers' eager and SDPA attention on it (1e-5). Two choices keep tiny-gemma3
+    honest: untied input and output embeddings (Gemma ties them, and scales its input embeddings
+    by sqrt(hidden); tied and random, the model predicts the token it was just given 88% of the
+    time, so the window hardly changes a token), and query_pre_attn_scalar 4, so Gemma's attention
+    scale (4**-0.5) is not the usual head_dim**-0.5: an engine that ignores the ``scaling``
+    transformers passes to attention gets other tokens.
     """
-    from transformers import GPT2Config, OPTConfig
+    from transformers import Gemma3TextConfig, GPT2Config, MistralConfig, OPTConfig
 
     ids = {"bos_token_id": 256, "eos_token_id": 256, "pad_token_id": 257, "vocab_size": 258}
+    shape = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "head_dim": 16, "sliding_window": 24,
+             "max_position_embeddings": 8192, "initializer_range": 0.2}  # fmt: skip
     if name == "tiny-gpt2":
         config = GPT2Config(n_layer=2, n_head=4, n_embd=64, n_positions=512,
                             initializer_range=0.2, **ids)  # fmt: skip
@@ -89,6 +115,12 @@ def tiny_config(name: str) -> PretrainedConfig:
         config = OPTConfig(num_hidden_layers=2, num_attention_heads=4, hidden_size=64,
                            ffn_dim=256, word_embed_proj_dim=64, max_position_embeddings=512,
                            do_layer_norm_before=True, init_std=0.2, **ids)  # fmt: skip
+    elif name == "tiny-mistral":
+        config = MistralConfig(num_hidden_layers=2, **shape, **ids)
+    elif name == "tiny-gemma3":
+        config = Gemma3TextConfig(num_hidden_layers=4, layer_types=["sliding_attention",
+                                  "full_attention"] * 2, query_pre_attn_scalar=4,
+                                  tie_word_embeddings=False, **shape, **ids)  # fmt: skip
     else:
         raise ModelLoadError(f"no offline model {name!r}; there are {OFFLINE_MODELS}")
     config.name_or_path = name
@@ -114,9 +146,10 @@ def load(model: Any, tokenizer: Any = None, dtype: Any = None) -> LoadedModel:
         return _ready(model, tok, model.config.name_or_path or type(model).__name__, dtype)
     if not isinstance(model, (str, os.PathLike)) or not os.fspath(model).strip():
         raise ModelLoadError(
-            "load() takes 'tiny-gpt2', 'tiny-opt', 'auto', a hub model name such as 'gpt2' or "
-            "'facebook/opt-125m', a folder written by save_pretrained(), or a transformers "
-            f"PreTrainedModel; got {type(model).__name__} {model!r}"
+            "load() takes 'tiny-gpt2', 'tiny-opt', 'auto', the other offline models "
+            f"('tiny-mistral', 'tiny-gemma3', {GPT2_SIZE_RANDOM!r}), a hub model name such as "
+            "'gpt2' or 'google/gemma-3-1b-it', a folder written by save_pretrained(), or a "
+            f"transformers PreTrainedModel; got {type(model).__name__} {model!r}"
         )
     name = os.fspath(model)
     if name in OFFLINE_MODELS or name == GPT2_SIZE_RANDOM:
@@ -132,14 +165,16 @@ def load(model: Any, tokenizer: Any = None, dtype: Any = None) -> LoadedModel:
 
 
 def _load_offline(name: str, tokenizer: Any, dtype: torch.dtype | None) -> LoadedModel:
-    from transformers import GPT2Config, GPT2LMHeadModel, OPTForCausalLM
+    import transformers
 
     if name == GPT2_SIZE_RANDOM:  # GPT2Config()'s defaults are GPT-2 small's shape
-        config = GPT2Config(bos_token_id=256, eos_token_id=256, pad_token_id=257)
+        config = transformers.GPT2Config(bos_token_id=256, eos_token_id=256, pad_token_id=257)
         config.name_or_path = name
     else:
         config = tiny_config(name)
-    cls = OPTForCausalLM if name == "tiny-opt" else GPT2LMHeadModel
+    classes = {"tiny-opt": "OPTForCausalLM", "tiny-mistral": "MistralForCausalLM",
+               "tiny-gemma3": "Gemma3ForCausalLM"}  # fmt: skip
+    cls = getattr(transformers, classes.get(name, "GPT2LMHeadModel"))
     # A private RNG stream: the weights are the same on every load, and the caller's torch RNG
     # (their sampling seed, say) is left exactly where it was. devices=[]: CPU only, CUDA untouched.
     with torch.random.fork_rng(devices=[]):
@@ -239,15 +274,27 @@ def _check_causal_lm(config: PretrainedConfig, what: str, cls: type | None = Non
         if not any(c.__name__ in causal for c in cls.__mro__):
             msg = f"{kind} has no causal LM head (it gives no next-token logits); {_DECODERS_ONLY}"
             raise ModelLoadError(msg + "; load it with AutoModelForCausalLM")
-        return
-    if config.model_type not in LMS:
+    elif config.model_type not in LMS:
         raise ModelLoadError(f"{kind} is not a causal language model; {_DECODERS_ONLY}")
     # A checkpoint saved as a classifier or masked LM (bert-base-uncased is a BertForMaskedLM)
     # holds weights for another head; a bare base model is fine (the LM head is tied to it).
     base = {n for v in BASES.values() for n in ((v,) if isinstance(v, str) else v)}
     archs = getattr(config, "architectures", None) or []
-    if archs and not any(a in causal or a in base for a in archs):
+    if cls is None and archs and not any(a in causal or a in base for a in archs):
         raise ModelLoadError(f"{kind} was saved as a {archs[0]}; {_DECODERS_ONLY}")
+    # Image-and-text models (AutoModelForCausalLM gives Gemma3ForConditionalGeneration for
+    # google/gemma-3-4b-it) keep their decoder's shape in config.text_config, and their text
+    # decoder class does not find its weights in such a checkpoint (it would run random ones).
+    if getattr(config, "text_config", None) is not None:
+        hint = ("; for Gemma 3 take a text-only checkpoint (model type 'gemma3_text'), such as "
+                "'google/gemma-3-1b-it' or 'google/gemma-3-1b-pt'" if config.model_type == "gemma3"
+                else "")  # fmt: skip
+        msg = f"{kind} is a multimodal model (its text decoder's settings are in text_config)"
+        raise ModelLoadError(f"{msg}; pagedlearn runs text-only decoders{hint}")
+    try:
+        check_supported(config)
+    except PagedLearnError as e:
+        raise ModelLoadError(f"{what} cannot run on pagedlearn's paged attention: {e}") from e
 
 
 def _tokenizer_of(model: PreTrainedModel) -> Any:
