@@ -12,7 +12,10 @@ write_kv                 reshape_and_cache.py  write_kv_ref
 
 Each file holds the kernel, its Python wrapper (argument checks, launch) and names the reference
 it is tested against. ``backend.py`` says where kernels run: on a GPU, or on the CPU in Triton's
-interpreter when ``TRITON_INTERPRET=1`` is set before the kernels are imported.
+interpreter when ``TRITON_INTERPRET=1`` is set before the kernels are imported. The attention
+kernels take ``sliding_window=W`` like their references (keys ``p - W < key_pos <= p``) and never
+load a block that lies before the window; ``count_loads.py`` proves it in the interpreter by
+recording which blocks a decode call reads.
 
 This package imports on a machine without Triton (macOS, Windows): importing a kernel there gives
 a stand-in with the same signature that raises

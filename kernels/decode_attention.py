@@ -4,7 +4,8 @@ Read it beside :func:`pagedlearn.attention.paged_attention_online_softmax_ref`, 
 runs, and check it against :func:`pagedlearn.attention.paged_attention_ref`, its reference (the
 tests do). One program handles one (sequence, KV head, split):
 
-1. find which tokens of the context this split covers;
+1. find which tokens of the context this split covers: the last ``sliding_window`` of them
+   under a window, all of them without one;
 2. load the query heads that share this KV head (GQA: they are processed together, so each K/V
    tile is read from memory once for the whole group);
 3. loop over the sequence's logical blocks a tile of tokens at a time (``backend.tile_tokens``):
@@ -16,6 +17,16 @@ tests do). One program handles one (sequence, KV head, split):
 
 These two ``@triton.jit`` helpers are what the ``kernel`` lab has students write. Triton inlines
 a call to a jit function, so they cost nothing on a GPU.
+
+Sliding windows (``sliding_window=W``): the new token, at position ``context_len - 1``, sees the
+keys at positions ``context_len - W .. context_len - 1``. Step 1 starts the first tile at
+``max(0, context_len - W)`` instead of 0, so every tile lies inside the window: the blocks wholly
+before it are never loaded, and their block-table entries (-1 once the KV-cache manager freed
+them) are never read. Nothing else changes, ``_attend_tile`` included: it already takes any
+``tile_start``. A decode step then reads at most ``ceil((W - 1) / block_size) + 1`` blocks per
+sequence instead of ``ceil(context_len / block_size)``, so its time, bound by memory bandwidth,
+stops growing with the context (``benchmarks/bench_sliding_window.py`` counts the blocks).
+With ``num_splits > 1`` the splits share the window's tokens.
 """
 
 import torch
@@ -33,6 +44,7 @@ from pagedlearn.attention import paged_attention_ref as reference  # what the te
 from pagedlearn.attention_inputs import CacheShape, check_decode
 
 MAX_SPLITS = 64
+NO_WINDOW = 2**31 - 1  # the kernels' sliding_window for full attention: longer than any context
 
 
 @triton.jit
@@ -121,6 +133,7 @@ def _paged_decode_kernel(
     block_tables_ptr,  # (num_seqs, max_blocks_per_seq) int32/int64
     context_lens_ptr,  # (num_seqs,)
     scale,
+    sliding_window,  # keys a query sees (itself included); NO_WINDOW for full attention
     stride_q_seq,
     stride_q_head,
     stride_o_seq,
@@ -143,10 +156,13 @@ def _paged_decode_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
-    # 1. This split covers tokens [start, end) of the context, cut at whole tiles.
+    # 1. This split covers tokens [start, end) of the window, cut at whole tiles. The window is
+    #    the last `sliding_window` tokens (all of them without one): whatever lies before it,
+    #    its blocks and their table entries, is never touched.
     context_len = tl.load(context_lens_ptr + seq)
-    per_split = tl.cdiv(tl.cdiv(context_len, NUM_SPLITS), TILE_N) * TILE_N
-    start = split * per_split
+    window_start = tl.maximum(context_len - sliding_window, 0)
+    per_split = tl.cdiv(tl.cdiv(context_len - window_start, NUM_SPLITS), TILE_N) * TILE_N
+    start = window_start + split * per_split
     end = tl.minimum(start + per_split, context_len)  # start >= end: an empty split
 
     # 2. The GROUP query heads that read this KV head: (GROUP_PAD, HEAD_DIM_PAD), padding zeroed.
@@ -266,7 +282,15 @@ def launch_constants(shape: CacheShape, dtype, interpreted: bool, num_splits: in
 
 
 def paged_attention_decode(
-    q, key_cache, value_cache, block_tables, context_lens, scale=None, num_splits=1
+    q,
+    key_cache,
+    value_cache,
+    block_tables,
+    context_lens,
+    scale=None,
+    num_splits=1,
+    *,
+    sliding_window=None,
 ):
     """Decode attention over a paged KV cache, in Triton. Same signature and result as
     :func:`pagedlearn.attention.paged_attention_ref`.
@@ -278,6 +302,8 @@ def paged_attention_decode(
     more for flash-decoding (each sequence's context is cut into ``num_splits`` slices processed
     in parallel, then merged: worth it when ``num_seqs * num_kv_heads`` is too small to fill a GPU).
     Returns ``(num_seqs, num_heads, head_dim)`` in q's dtype; a sequence with no keys gets zeros.
+    sliding_window: ``None`` (full attention) or ``W >= 1``: the new token sees its last ``W``
+    keys, and the blocks before them are never read (their table entries may be -1).
 
     Any block size works; head_dim up to 256; float16, bfloat16 or float32. Bad input raises
     :class:`~pagedlearn.errors.AttentionInputError` (a ``ValueError``) before anything runs. The
@@ -285,16 +311,28 @@ def paged_attention_decode(
     :mod:`pagedlearn.attention_inputs`).
     """
     args = (q, key_cache, value_cache, block_tables, context_lens, scale, num_splits)
-    return launch_decode(_paged_decode_kernel, *args)
+    return launch_decode(_paged_decode_kernel, *args, sliding_window=sliding_window)
 
 
 def launch_decode(
-    kernel, q, key_cache, value_cache, block_tables, context_lens, scale=None, num_splits=1
+    kernel,
+    q,
+    key_cache,
+    value_cache,
+    block_tables,
+    context_lens,
+    scale=None,
+    num_splits=1,
+    *,
+    sliding_window=None,
 ):
     """:func:`paged_attention_decode`, launching ``kernel``: ``_paged_decode_kernel`` or a
     kernel with its parameters (the kernel lab launches one whose loop is the student's)."""
     on_cpu = q.device.type == "cpu" if isinstance(q, torch.Tensor) else True
-    shape = check_decode(q, key_cache, value_cache, block_tables, context_lens, scale, on_cpu)
+    window = sliding_window
+    shape = check_decode(
+        q, key_cache, value_cache, block_tables, context_lens, scale, on_cpu, window
+    )
     if not isinstance(num_splits, int) or isinstance(num_splits, bool):
         raise ValueError(f"num_splits must be an int, got {num_splits!r}")
     if not 1 <= num_splits <= MAX_SPLITS:
@@ -328,6 +366,7 @@ def launch_decode(
         block_tables,
         context_lens,
         shape.scale,
+        NO_WINDOW if window is None else min(int(window), NO_WINDOW),
         q.stride(0),
         q.stride(1),
         out.stride(0),

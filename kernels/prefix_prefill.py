@@ -13,6 +13,13 @@ last ``query_len`` of its ``context_len`` keys, so query ``j`` sees keys
 One program handles one (sequence, query head, tile of BLOCK_M queries); the loop over keys is
 the decode kernel's loop (``kernels/decode_attention.py``) with a causal mask added. Checked
 against :func:`pagedlearn.attention.paged_attention_prefill_ref`.
+
+Sliding windows (``sliding_window=W``): query ``j`` also needs ``key_pos > q_pos - W``. The key
+loop starts at the first key that the tile's earliest query sees, ``max(0, q_pos_0 - W + 1)``, so
+the blocks wholly before it are never loaded and their table entries (-1 once freed) never read.
+The tile's later queries see later keys only, so a row can meet whole tiles it must ignore: its
+running max is still -inf after them, and ``exp(-inf - (-inf))`` would be NaN. The loop guards
+that case (it cannot happen without a window: key 0 is visible to every row).
 """
 
 import torch
@@ -26,6 +33,7 @@ from kernels.backend import (
     num_warps,
     tile_tokens,
 )
+from kernels.decode_attention import NO_WINDOW
 from pagedlearn.attention import paged_attention_prefill_ref as reference
 from pagedlearn.attention_inputs import CacheShape, check_prefill
 
@@ -42,6 +50,7 @@ def _paged_prefill_kernel(
     cu_seqlens_q_ptr,  # (num_seqs + 1,)
     context_lens_ptr,  # (num_seqs,), new tokens included
     scale,
+    sliding_window,  # keys a query sees (itself included); NO_WINDOW for full attention
     stride_q_tok,
     stride_q_head,
     stride_o_tok,
@@ -81,18 +90,20 @@ def _paged_prefill_kernel(
     q = tl.load(q_ptr + q_offs, mask=m_mask[:, None] & d_mask[None, :], other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
-    q_pos = prefix_len + offs_m  # each query's position; it sees keys at positions <= q_pos
+    q_pos = prefix_len + offs_m  # each query's position; it sees keys in (q_pos - W, q_pos]
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
 
-    # 3. Stream the keys this tile can see: up to its last query's position (causal).
+    # 3. Stream the keys this tile can see: from its first query's first key in the window
+    #    (0 without one) up to its last query's position (causal).
+    kv_start = tl.maximum(prefix_len + m_tile * BLOCK_M - sliding_window + 1, 0)
     kv_end = tl.minimum(context_len, prefix_len + (m_tile + 1) * BLOCK_M)
     offs_t = tl.arange(0, TILE_N)
     table_row = block_tables_ptr + seq.to(tl.int64) * stride_table_seq
     head_off = (head // GROUP).to(tl.int64) * stride_cache_head  # the KV head this head reads
-    for tile_start in range(0, kv_end, TILE_N):
+    for tile_start in range(kv_start, kv_end, TILE_N):
         # 3a. Physical slots of this tile's tokens, through the block table.
         pos = tile_start + offs_t
         t_mask = pos < kv_end
@@ -101,19 +112,23 @@ def _paged_prefill_kernel(
         kv_offs = slot_offs[:, None] + head_off + offs_d[None, :]
         kv_mask = t_mask[:, None] & d_mask[None, :]
 
-        # 3b. Scores (BLOCK_M, TILE_N), with the causal rule key_pos <= q_pos. Key 0 is visible
-        #     to every row, so after the first tile every row's max is finite.
+        # 3b. Scores (BLOCK_M, TILE_N), with the causal rule key_pos <= q_pos and the window's
+        #     key_pos > q_pos - W.
         k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
         if UPCAST:
             k = k.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
         visible = t_mask[None, :] & (pos[None, :] <= q_pos[:, None])
+        visible = visible & (pos[None, :] > q_pos[:, None] - sliding_window)
         s = tl.where(visible, s, float("-inf"))
 
-        # 3c. Online softmax, as in the decode kernel.
+        # 3c. Online softmax, as in the decode kernel. A row that has seen no visible key yet
+        #     (under a window: its keys start in a later tile) keeps m = -inf; subtracting 0
+        #     instead of -inf gives it alpha = 0 and p = 0, not exp(-inf + inf) = NaN.
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
         if UPCAST:
@@ -121,8 +136,9 @@ def _paged_prefill_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
-    # 4. Divide once and store the real rows.
-    out = acc / l_i[:, None]
+    # 4. Divide once and store the real rows (every one saw a key: itself; rows past the last
+    #    query may have l_i = 0 and are not stored, but never divide by 0).
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     o_offs = rows[:, None] * stride_o_tok + head * stride_o_head + offs_d[None, :]
     tl.store(
         out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :]
@@ -160,6 +176,7 @@ def paged_attention_prefill(
     max_query_len=None,
     *,
     check_values=True,
+    sliding_window=None,
 ):
     """Prefill/extend attention for packed new tokens over a paged KV cache, in Triton.
 
@@ -170,14 +187,16 @@ def paged_attention_prefill(
     context_lens: int32 ``(num_seqs,)``, all keys of each sequence (cached prefix + new tokens);
     scale: defaults to ``1 / sqrt(head_dim)``; max_query_len: the longest query length, if the
     caller knows it (otherwise it is read from ``cu_seqlens_q``, one device-to-host copy).
+    sliding_window: ``None`` (full attention) or ``W >= 1``: query ``j`` sees the keys in
+    ``(q_pos - W, q_pos]``; blocks before the first query's window are never read (may be -1).
     On the CPU the tables' values are checked unless ``check_values=False``.
     Returns ``(total_query_tokens, num_heads, head_dim)``, same result as
     :func:`pagedlearn.attention.paged_attention_prefill_ref`.
     """
     on_cpu = q.device.type == "cpu" if isinstance(q, torch.Tensor) else True
-    check = on_cpu and check_values
+    check, window = on_cpu and check_values, sliding_window
     shape = check_prefill(
-        q, key_cache, value_cache, block_tables, cu_seqlens_q, context_lens, scale, check
+        q, key_cache, value_cache, block_tables, cu_seqlens_q, context_lens, scale, check, window
     )
     caches = [("key_cache", key_cache), ("value_cache", value_cache)]
     interpreted = check_launchable(
@@ -211,6 +230,7 @@ def paged_attention_prefill(
         cu_seqlens_q,
         context_lens,
         shape.scale,
+        NO_WINDOW if window is None else min(int(window), NO_WINDOW),
         q.stride(0),
         q.stride(1),
         out.stride(0),

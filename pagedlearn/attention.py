@@ -22,6 +22,15 @@ Plus :func:`write_kv_ref`, the KV write ("reshape_and_cache"): token ``i``'s K/V
 ``slot_mapping[i]`` = ``block_id * block_size + offset``; a negative slot means "skip" (padding);
 and :func:`decode_flops_and_bytes`, the arithmetic that says why decode is memory-bound.
 
+Sliding windows: every function takes ``sliding_window=W`` (``None``: full attention). The query
+at position ``p`` then sees only the keys at ``p - W < key_pos <= p``; the mask drops the keys
+before the window, and the paged functions do not even read their blocks, starting at the block
+that holds the first visible key (:func:`~pagedlearn.attention_inputs.first_visible_key`). That
+is what frees memory: a key left behind by the window of a sequence's earliest query will never
+be read again, so the KV-cache manager gives its block back to the pool (its table entry becomes
+-1, which nothing here reads), and a sequence holds at most ``ceil(W / block_size) + 1`` blocks
+however long it grows.
+
 Shapes use the cache layout of :mod:`pagedlearn.attention_inputs`:
 ``key_cache, value_cache: (num_blocks, block_size, num_kv_heads, head_dim)``. Everything is
 computed in float32 and returned in the queries' dtype.
@@ -29,10 +38,17 @@ computed in float32 and returned in the queries' dtype.
 
 import torch
 
-from pagedlearn.attention_inputs import check_decode, check_prefill, check_write_kv
+from pagedlearn.attention_inputs import (
+    check_decode,
+    check_prefill,
+    check_sliding_window,
+    check_write_kv,
+    first_visible_key,
+)
+from pagedlearn.errors import AttentionInputError
 
 
-def contiguous_attention(q, k, v, scale=None, causal=True):
+def contiguous_attention(q, k, v, scale=None, causal=True, *, sliding_window=None):
     """Plain softmax attention, the ground truth every other function is checked against.
 
     q: ``(q_len, num_heads, head_dim)``; k, v: ``(kv_len, num_kv_heads, head_dim)``.
@@ -43,11 +59,18 @@ def contiguous_attention(q, k, v, scale=None, causal=True):
     note that ``torch.nn.functional.scaled_dot_product_attention(is_causal=True)`` aligns top-left,
     which is wrong as soon as a prefix is cached). Query heads ``h`` read KV head
     ``h // (num_heads // num_kv_heads)`` (grouped-query attention). No keys -> zeros.
+    ``sliding_window=W`` also hides the keys ``j <= kv_len - q_len + i - W`` from query ``i``
+    (it sees ``W`` keys at most, itself included); it needs ``causal=True``.
 
     >>> q = torch.zeros(1, 2, 4); k = torch.zeros(3, 1, 4); v = torch.arange(12.0).view(3, 1, 4)
     >>> contiguous_attention(q, k, v)[0, 0]  # equal scores: the mean of the three values
     tensor([4., 5., 6., 7.])
+    >>> contiguous_attention(q, k, v, sliding_window=2)[0, 0]  # the last two values only
+    tensor([6., 7., 8., 9.])
     """
+    sliding_window = check_sliding_window(sliding_window)
+    if sliding_window is not None and not causal:
+        raise AttentionInputError("sliding_window needs causal=True: a window looks back only")
     q_len, num_heads, head_dim = q.shape
     kv_len, num_kv_heads, _ = k.shape
     if scale is None:
@@ -61,7 +84,10 @@ def contiguous_attention(q, k, v, scale=None, causal=True):
     scores = qf @ kf.transpose(1, 2) * scale  # (num_heads, q_len, kv_len)
     if causal:
         q_pos = torch.arange(q_len, device=q.device) + (kv_len - q_len)
-        visible = torch.arange(kv_len, device=q.device)[None, :] <= q_pos[:, None]
+        key_pos = torch.arange(kv_len, device=q.device)[None, :]
+        visible = key_pos <= q_pos[:, None]  # (q_len, kv_len)
+        if sliding_window is not None:
+            visible &= key_pos > q_pos[:, None] - sliding_window
         scores = scores.masked_fill(~visible, float("-inf"))
     out = torch.softmax(scores, dim=-1) @ vf  # (num_heads, q_len, head_dim)
     return out.transpose(0, 1).to(q.dtype)
@@ -71,7 +97,9 @@ def gather_kv(key_cache, value_cache, block_table, context_len):
     """One sequence's K/V made contiguous: ``(context_len, num_kv_heads, head_dim)`` each.
 
     Logical token ``t`` lives in logical block ``t // block_size``, which the table maps to a
-    physical block, at offset ``t % block_size`` inside it.
+    physical block, at offset ``t % block_size`` inside it. (Under a sliding window the callers
+    pass the row from the first block in the window on, ``block_table[first:]``, and the length
+    from there: the blocks before it may be freed.)
     """
     block_size = key_cache.shape[1]
     num_blocks = -(-context_len // block_size)  # ceil: the last block may be partly filled
@@ -81,25 +109,42 @@ def gather_kv(key_cache, value_cache, block_table, context_len):
     return k, v
 
 
-def paged_attention_ref(q, key_cache, value_cache, block_tables, context_lens, scale=None):
+def paged_attention_ref(
+    q, key_cache, value_cache, block_tables, context_lens, scale=None, *, sliding_window=None
+):
     """Decode attention over a paged KV cache: gather, then :func:`contiguous_attention`.
 
     q: ``(num_seqs, num_heads, head_dim)``, one new token per sequence;
     key_cache, value_cache: ``(num_blocks, block_size, num_kv_heads, head_dim)``;
     block_tables: int ``(num_seqs, max_blocks_per_seq)``; context_lens: int ``(num_seqs,)``.
     Returns ``(num_seqs, num_heads, head_dim)``. ``scale`` defaults to ``1 / sqrt(head_dim)``.
+    ``sliding_window=W``: the new token (at position ``context_len - 1``) sees its last ``W``
+    keys; the blocks before the one holding the first of them are not read (may be -1).
     Raises :class:`~pagedlearn.errors.AttentionInputError` (a ``ValueError``) on bad input.
     """
-    shape = check_decode(q, key_cache, value_cache, block_tables, context_lens, scale, True)
+    window = check_sliding_window(sliding_window)  # an int >= 1, or None
+    shape = check_decode(q, key_cache, value_cache, block_tables, context_lens, scale, True, window)
+    bs = shape.block_size
     out = torch.empty_like(q)
     for i, n in enumerate(context_lens.tolist()):
-        k, v = gather_kv(key_cache, value_cache, block_tables[i], n)
+        start = first_visible_key(n - 1, window)  # the window's first key; 0 without one
+        first = start // bs  # its block: the blocks before it are not read (they may be freed)
+        k, v = gather_kv(key_cache, value_cache, block_tables[i, first:], n - first * bs)
+        k, v = k[start - first * bs :], v[start - first * bs :]  # the keys in the window
         out[i] = contiguous_attention(q[i : i + 1], k, v, shape.scale)[0]
     return out
 
 
 def paged_attention_online_softmax_ref(
-    q, key_cache, value_cache, block_tables, context_lens, scale=None, num_splits=1
+    q,
+    key_cache,
+    value_cache,
+    block_tables,
+    context_lens,
+    scale=None,
+    num_splits=1,
+    *,
+    sliding_window=None,
 ):
     """:func:`paged_attention_ref` computed the way the Triton kernel does, one block at a time.
 
@@ -113,8 +158,13 @@ def paged_attention_online_softmax_ref(
     independently (on a GPU, in parallel: more work for short batches with long contexts). Each
     slice ends with its own ``(m_i, l_i, acc)``; they are merged exactly, weighting slice ``s`` by
     ``exp(m_s - max_s m_s)``. A slice with no blocks has ``l_i = 0`` and weight 0.
+
+    ``sliding_window=W``: the loop starts at the block holding key ``context_len - W`` (the
+    first the new token sees); the blocks before it are skipped, never loaded, and the slices
+    divide only the window's blocks. In that first block, the keys before the window score -inf.
     """
-    shape = check_decode(q, key_cache, value_cache, block_tables, context_lens, scale, True)
+    window = check_sliding_window(sliding_window)  # an int >= 1, or None
+    shape = check_decode(q, key_cache, value_cache, block_tables, context_lens, scale, True, window)
     if not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 1:
         raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
     bs, group, dev = shape.block_size, shape.group_size, q.device
@@ -122,13 +172,16 @@ def paged_attention_online_softmax_ref(
     for i, n in enumerate(context_lens.tolist()):
         qi = q[i].float()  # (num_heads, head_dim)
         num_blocks = -(-n // bs)
-        per_split = -(-num_blocks // num_splits)  # blocks per slice; trailing slices may be empty
+        start = first_visible_key(n - 1, window)  # the window's first key; 0 without one
+        first = start // bs  # its block: the blocks before it are never visited (may be freed)
+        per_split = -(-(num_blocks - first) // num_splits)  # per slice; trailing ones may be empty
         parts = []  # one (m_i, l_i, acc) per slice
         for split in range(num_splits):
             m_i = torch.full((shape.num_heads,), float("-inf"), device=dev)  # running max
             l_i = torch.zeros(shape.num_heads, device=dev)  # running sum of exp(score - m_i)
             acc = torch.zeros(shape.num_heads, shape.head_dim, device=dev)  # sum of exp(...) * v
-            for j in range(split * per_split, min((split + 1) * per_split, num_blocks)):
+            begin = first + split * per_split
+            for j in range(begin, min(begin + per_split, num_blocks)):
                 # 1. Look up where logical block j lives, and load it.
                 block_id = int(block_tables[i, j])
                 valid = min(bs, n - j * bs)  # tokens in this block; the last may be partial
@@ -136,8 +189,10 @@ def paged_attention_online_softmax_ref(
                 v = value_cache[block_id, :valid].float()
                 k = k.repeat_interleave(group, dim=1)  # each KV head serves `group` query heads
                 v = v.repeat_interleave(group, dim=1)  # (valid, num_heads, head_dim)
-                # 2. Scores of this block only: (num_heads, valid).
+                # 2. Scores of this block only: (num_heads, valid). The window's first block may
+                #    begin with keys before the window: they score -inf, so weigh 0.
                 s = torch.einsum("hd,thd->ht", qi, k) * shape.scale
+                s[:, : max(start - j * bs, 0)] = float("-inf")  # nothing, past the first block
                 # 3. Raise the running max; rescale what was summed under the old max.
                 m_new = torch.maximum(m_i, s.max(dim=1).values)
                 alpha = torch.exp(m_i - m_new)  # exp(-inf) = 0 on the first block
@@ -159,7 +214,15 @@ def paged_attention_online_softmax_ref(
 
 
 def paged_attention_batched(
-    q, key_cache, value_cache, block_tables, context_lens, scale=None, *, check_values=True
+    q,
+    key_cache,
+    value_cache,
+    block_tables,
+    context_lens,
+    scale=None,
+    *,
+    check_values=True,
+    sliding_window=None,
 ):
     """:func:`paged_attention_ref` for all sequences at once: one gather, one masked softmax.
 
@@ -171,17 +234,33 @@ def paged_attention_batched(
     gather) for a handful of large tensor operations instead of a Python loop per sequence.
     ``check_values=False`` skips the checks of the tables' *values*, for callers (the engine)
     that built them from a :class:`~pagedlearn.KVCacheManager`.
+
+    ``sliding_window=W``: each row is gathered from the block holding its first visible key
+    (``context_len - W``) on, ``(W + block_size - 2) // block_size + 1`` blocks (the most that
+    ``W`` consecutive keys can touch), so neither the gather nor its memory grows with the
+    context; entries before the window (-1 when freed) are never indexed, and the keys of the
+    window's first block that lie before the window are masked like padding.
     """
-    shape = check_decode(q, key_cache, value_cache, block_tables, context_lens, scale, check_values)
+    window = check_sliding_window(sliding_window)  # an int >= 1, or None
+    shape = check_decode(
+        q, key_cache, value_cache, block_tables, context_lens, scale, check_values, window
+    )
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = shape.num_kv_heads
     bs, max_blocks = key_cache.shape[1], block_tables.shape[1]
     lens = context_lens.long()
-    used = torch.arange(max_blocks, device=q.device)[None, :] < (lens[:, None] + bs - 1) // bs
-    ids = torch.where(used, block_tables.long(), 0)  # (S, max_blocks); padding reads block 0
-    k = key_cache[ids].flatten(1, 2).float()  # (S, L, num_kv_heads, head_dim), L = max_blocks * bs
+    if window is None:  # every row from block 0, the whole table
+        start, width = torch.zeros_like(lens), max_blocks
+    else:  # every row from the block of its first visible key
+        start, width = (lens - window).clamp(min=0), min(max_blocks, (window + bs - 2) // bs + 1)
+    j = start[:, None] // bs + torch.arange(width, device=q.device)  # (S, width) logical blocks
+    used = j < (lens[:, None] + bs - 1) // bs
+    table = block_tables.long().gather(1, j.clamp(max=max_blocks - 1))  # (S, width)
+    ids = torch.where(used, table, 0)  # padding reads block 0
+    k = key_cache[ids].flatten(1, 2).float()  # (S, L, num_kv_heads, head_dim), L = width * bs
     v = value_cache[ids].flatten(1, 2).float()
-    valid = torch.arange(k.shape[1], device=q.device)[None, :] < lens[:, None]  # (S, L)
+    key_pos = (j[:, :, None] * bs + torch.arange(bs, device=q.device)).flatten(1)  # (S, L)
+    valid = (key_pos >= start[:, None]) & (key_pos < lens[:, None])  # (S, L)
     v = v.masked_fill(~valid[:, :, None, None], 0.0)  # 0 * NaN would still be NaN
     qf = q.float().reshape(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
     scores = torch.einsum("skgd,slkd->skgl", qf, k) * shape.scale  # (S, kv_heads, group, L)
@@ -201,6 +280,7 @@ def paged_attention_prefill_ref(
     scale=None,
     *,
     check_values=True,
+    sliding_window=None,
 ):
     """Prefill/extend over a paged cache, for the packed new tokens of several sequences.
 
@@ -210,16 +290,30 @@ def paged_attention_prefill_ref(
     ``context_len - query_len`` of them are the cached prefix -- a prefix-cache hit that is not
     recomputed -- and query ``j`` sees keys ``key_pos <= context_len - query_len + j``.
     Returns ``(total_query_tokens, num_heads, head_dim)``. ``check_values=False``: as in
-    :func:`paged_attention_batched`.
+    :func:`paged_attention_batched`. ``sliding_window=W``: query ``j`` also needs
+    ``key_pos > context_len - query_len + j - W``; the blocks before the one holding the first
+    query's first visible key are not read (may be -1).
     """
+    window = check_sliding_window(sliding_window)  # an int >= 1, or None
     shape = check_prefill(
-        q, key_cache, value_cache, block_tables, cu_seqlens_q, context_lens, scale, check_values
+        q,
+        key_cache,
+        value_cache,
+        block_tables,
+        cu_seqlens_q,
+        context_lens,
+        scale,
+        check_values,
+        window,
     )
+    bs = shape.block_size
     out = torch.empty_like(q)
     cu = cu_seqlens_q.tolist()
     for i, n in enumerate(context_lens.tolist()):
-        k, v = gather_kv(key_cache, value_cache, block_tables[i], n)
-        out[cu[i] : cu[i + 1]] = contiguous_attention(q[cu[i] : cu[i + 1]], k, v, shape.scale)
+        rows = slice(cu[i], cu[i + 1])
+        first = first_visible_key(n - (cu[i + 1] - cu[i]), window) // bs  # 0 without a window
+        k, v = gather_kv(key_cache, value_cache, block_tables[i, first:], n - first * bs)
+        out[rows] = contiguous_attention(q[rows], k, v, shape.scale, sliding_window=window)
     return out
 
 

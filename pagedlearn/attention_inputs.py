@@ -15,9 +15,25 @@ are always checked (that costs nothing). The *values* inside ``block_tables`` / 
 kernels do it for CPU tensors. On a GPU that would cost a device-to-host copy per call, so the
 kernels skip it there; the engine builds these tensors from a ``KVCacheManager`` that has already
 validated every id.
+
+Sliding windows. Every call also takes ``sliding_window`` (vLLM's and transformers' name):
+``None`` for full attention, or an int ``W >= 1``: the query at position ``p`` sees only the keys
+at positions ``p - W < key_pos <= p``, itself and the ``W - 1`` keys before it (Mistral: every
+layer; Gemma 3, gpt-oss: some layers). Queries only move forward, so a key before the window of
+a sequence's earliest query in a call is never read again, by this call or any later one: the
+KV-cache manager can hand a block of such keys back to the pool, and a sequence then holds at
+most ``ceil(W / block_size) + 1`` blocks however long it grows. The table entry of a freed block
+is stale (``-1`` in pagedlearn); the value checks accept any value there, and still refuse a bad
+id in a block that some query of the call can see:
+
+>>> first_visible_key(99, 40)  # the query at position 99 sees keys 60..99 with W = 40
+60
+>>> first_visible_key(99, None), first_visible_key(10, 40)  # no window; the window covers all
+(0, 0)
 """
 
 import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -94,6 +110,35 @@ def check_cache(q, key_cache, value_cache, scale) -> CacheShape:
     return CacheShape(num_blocks, block_size, num_kv_heads, head_dim, num_heads, float(scale))
 
 
+def check_sliding_window(sliding_window) -> int | None:
+    """``sliding_window`` as an int ``>= 1``, or ``None`` (full attention); anything else fails.
+
+    ``True`` is refused although Python counts it as the int 1: it is a flag passed by mistake.
+    """
+    if sliding_window is None:
+        return None
+    if (
+        isinstance(sliding_window, bool)
+        or not isinstance(sliding_window, numbers.Integral)
+        or sliding_window < 1
+    ):
+        _fail(
+            "sliding_window must be an int >= 1 (a query at position p sees the keys at "
+            f"p - W < key_pos <= p) or None for full attention, got {sliding_window!r}"
+        )
+    return int(sliding_window)
+
+
+def first_visible_key(first_query_pos: int, sliding_window: int | None) -> int:
+    """The first key position that the query at ``first_query_pos`` sees: 0 without a window,
+    else ``max(0, first_query_pos - W + 1)``. Pass a call's earliest query (decode: the last
+    position, ``context_len - 1``; prefill: ``context_len - query_len``): every key before the
+    result, and every block that ends before it, is read by no query of the call."""
+    if sliding_window is None:
+        return 0
+    return max(0, first_query_pos - sliding_window + 1)
+
+
 def check_block_tables(block_tables, context_lens, device, num_seqs: int) -> None:
     """Check the block tables' and lengths' shapes, dtypes and device (values: see below)."""
     _check_tensor("block_tables", block_tables, 2, INDEX_DTYPES, device)
@@ -105,8 +150,16 @@ def check_block_tables(block_tables, context_lens, device, num_seqs: int) -> Non
         )
 
 
-def check_block_table_values(block_tables, context_lens, shape: CacheShape) -> None:
-    """Every length fits its table row and every block a sequence uses exists in the cache."""
+def check_block_table_values(
+    block_tables, context_lens, shape: CacheShape, sliding_window=None, query_lens=None
+) -> None:
+    """Every length fits its table row and every block a sequence reads exists in the cache.
+
+    A sequence reads its blocks from the one holding its first visible key
+    (:func:`first_visible_key` of its earliest query, at ``context_len - query_len``;
+    ``query_lens`` defaults to 1 per sequence, decode) up to the one holding its last key.
+    Entries before that (freed by a sliding window) and after it (padding) may hold anything.
+    """
     capacity = block_tables.shape[1] * shape.block_size
     lens = context_lens.tolist()
     for i, n in enumerate(lens):
@@ -115,26 +168,43 @@ def check_block_table_values(block_tables, context_lens, shape: CacheShape) -> N
                 f"context_lens[{i}] = {n}, but a sequence holds 0 to {capacity} tokens "
                 f"({block_tables.shape[1]} blocks of {shape.block_size} per table row)"
             )
-        used = block_tables[i, : -(-n // shape.block_size)].tolist()
-        bad = [b for b in used if not 0 <= b < shape.num_blocks]
+        q_len = 1 if query_lens is None else query_lens[i]
+        first = first_visible_key(n - q_len, sliding_window) // shape.block_size
+        end = -(-n // shape.block_size)
+        used = block_tables[i, first:end].tolist()
+        bad = [(j, b) for j, b in enumerate(used, first) if not 0 <= b < shape.num_blocks]
         if bad:
+            j, b = bad[0]
+            window = "" if sliding_window is None else f"; sliding_window={sliding_window}"
             _fail(
-                f"block_tables[{i}] uses block {bad[0]}, outside the cache's "
-                f"{shape.num_blocks} blocks"
+                f"block_tables[{i}] uses block {b}, outside the cache's {shape.num_blocks} "
+                f"blocks (logical block {j}: the call reads logical blocks {first} to {end - 1}"
+                f"{window})"
             )
 
 
-def check_decode(q, key_cache, value_cache, block_tables, context_lens, scale, check_values):
+def check_decode(
+    q, key_cache, value_cache, block_tables, context_lens, scale, check_values, sliding_window=None
+):
     """All checks for decode attention: one query token per sequence, ``q: (num_seqs, H, D)``."""
     shape = check_cache(q, key_cache, value_cache, scale)
+    sliding_window = check_sliding_window(sliding_window)
     check_block_tables(block_tables, context_lens, q.device, q.shape[0])
     if check_values:
-        check_block_table_values(block_tables, context_lens, shape)
+        check_block_table_values(block_tables, context_lens, shape, sliding_window)
     return shape
 
 
 def check_prefill(
-    q, key_cache, value_cache, block_tables, cu_seqlens_q, context_lens, scale, check_values
+    q,
+    key_cache,
+    value_cache,
+    block_tables,
+    cu_seqlens_q,
+    context_lens,
+    scale,
+    check_values,
+    sliding_window=None,
 ):
     """All checks for prefill/extend: packed queries ``q: (total_query_tokens, H, D)``.
 
@@ -143,6 +213,7 @@ def check_prefill(
     ``context_lens[i]`` keys, so each query length must be at most the context length.
     """
     shape = check_cache(q, key_cache, value_cache, scale)
+    sliding_window = check_sliding_window(sliding_window)
     _check_tensor("cu_seqlens_q", cu_seqlens_q, 1, INDEX_DTYPES, q.device)
     if cu_seqlens_q.shape[0] < 1:
         _fail("cu_seqlens_q must have num_seqs + 1 entries, got none")
@@ -150,10 +221,11 @@ def check_prefill(
     check_block_tables(block_tables, context_lens, q.device, num_seqs)
     if check_values:
         cu = cu_seqlens_q.tolist()
+        q_lens = [cu[i + 1] - cu[i] for i in range(num_seqs)]
         if cu[0] != 0 or cu[-1] != q.shape[0]:
             _fail(f"cu_seqlens_q must run from 0 to {q.shape[0]} (the rows of q), got {cu}")
         for i, n in enumerate(context_lens.tolist()):
-            q_len = cu[i + 1] - cu[i]
+            q_len = q_lens[i]
             if q_len < 0:
                 _fail(f"cu_seqlens_q must not decrease, got {cu}")
             if q_len > n:
@@ -161,7 +233,7 @@ def check_prefill(
                     f"sequence {i} has {q_len} query tokens but context_lens[{i}] = {n}: the "
                     "context includes the new tokens, so it cannot be shorter than them"
                 )
-        check_block_table_values(block_tables, context_lens, shape)
+        check_block_table_values(block_tables, context_lens, shape, sliding_window, q_lens)
     return shape
 
 

@@ -89,7 +89,9 @@ def gather_kv(key_cache, value_cache, block_table, context_len):
     """One sequence's K/V made contiguous: ``(context_len, num_kv_heads, head_dim)`` each.
 
     Logical token ``t`` lives in logical block ``t // block_size``, which the table maps to a
-    physical block, at offset ``t % block_size`` inside it.
+    physical block, at offset ``t % block_size`` inside it. (Under a sliding window the callers
+    pass the row from the first block in the window on, ``block_table[first:]``, and the length
+    from there: the blocks before it may be freed.)
     """
     block_size = key_cache.shape[1]
     num_blocks = -(-context_len // block_size)  # ceil: the last block may be partly filled
@@ -99,19 +101,28 @@ def gather_kv(key_cache, value_cache, block_table, context_len):
     return k, v
 
 
-def paged_attention_ref(q, key_cache, value_cache, block_tables, context_lens, scale=None):
+def paged_attention_ref(
+    q, key_cache, value_cache, block_tables, context_lens, scale=None, *, sliding_window=None
+):
     """Decode attention over a paged KV cache: gather, then :func:`contiguous_attention`.
 
     q: ``(num_seqs, num_heads, head_dim)``, one new token per sequence;
     key_cache, value_cache: ``(num_blocks, block_size, num_kv_heads, head_dim)``;
     block_tables: int ``(num_seqs, max_blocks_per_seq)``; context_lens: int ``(num_seqs,)``.
     Returns ``(num_seqs, num_heads, head_dim)``. ``scale`` defaults to ``1 / sqrt(head_dim)``.
+    ``sliding_window=W``: the new token (at position ``context_len - 1``) sees its last ``W``
+    keys; the blocks before the one holding the first of them are not read (may be -1).
     Raises :class:`~pagedlearn.errors.AttentionInputError` (a ``ValueError``) on bad input.
     """
-    shape = check_decode(q, key_cache, value_cache, block_tables, context_lens, scale, True)
+    window = check_sliding_window(sliding_window)  # an int >= 1, or None
+    shape = check_decode(q, key_cache, value_cache, block_tables, context_lens, scale, True, window)
+    bs = shape.block_size
     out = torch.empty_like(q)
     for i, n in enumerate(context_lens.tolist()):
-        k, v = gather_kv(key_cache, value_cache, block_tables[i], n)
+        start = first_visible_key(n - 1, window)  # the window's first key; 0 without one
+        first = start // bs  # its block: the blocks before it are not read (they may be freed)
+        k, v = gather_kv(key_cache, value_cache, block_tables[i, first:], n - first * bs)
+        k, v = k[start - first * bs :], v[start - first * bs :]  # the keys in the window
         out[i] = contiguous_attention(q[i : i + 1], k, v, shape.scale)[0]
     return out
 
@@ -195,7 +206,15 @@ check("write")
 # %% tags=["exercise"]
 # Exercise 'online': The online softmax, block by block, with splits
 def paged_attention_online_softmax_ref(
-    q, key_cache, value_cache, block_tables, context_lens, scale=None, num_splits=1
+    q,
+    key_cache,
+    value_cache,
+    block_tables,
+    context_lens,
+    scale=None,
+    num_splits=1,
+    *,
+    sliding_window=None,
 ):
     """:func:`paged_attention_ref` computed the way the Triton kernel does, one block at a time.
 
@@ -209,8 +228,13 @@ def paged_attention_online_softmax_ref(
     independently (on a GPU, in parallel: more work for short batches with long contexts). Each
     slice ends with its own ``(m_i, l_i, acc)``; they are merged exactly, weighting slice ``s`` by
     ``exp(m_s - max_s m_s)``. A slice with no blocks has ``l_i = 0`` and weight 0.
+
+    ``sliding_window=W``: the loop starts at the block holding key ``context_len - W`` (the
+    first the new token sees); the blocks before it are skipped, never loaded, and the slices
+    divide only the window's blocks. In that first block, the keys before the window score -inf.
     """
-    shape = check_decode(q, key_cache, value_cache, block_tables, context_lens, scale, True)
+    window = check_sliding_window(sliding_window)  # an int >= 1, or None
+    shape = check_decode(q, key_cache, value_cache, block_tables, context_lens, scale, True, window)
     if not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 1:
         raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
     bs, group, dev = shape.block_size, shape.group_size, q.device
@@ -218,13 +242,16 @@ def paged_attention_online_softmax_ref(
     for i, n in enumerate(context_lens.tolist()):
         qi = q[i].float()  # (num_heads, head_dim)
         num_blocks = -(-n // bs)
-        per_split = -(-num_blocks // num_splits)  # blocks per slice; trailing slices may be empty
+        start = first_visible_key(n - 1, window)  # the window's first key; 0 without one
+        first = start // bs  # its block: the blocks before it are never visited (may be freed)
+        per_split = -(-(num_blocks - first) // num_splits)  # per slice; trailing ones may be empty
         parts = []  # one (m_i, l_i, acc) per slice
         for split in range(num_splits):
             m_i = torch.full((shape.num_heads,), float("-inf"), device=dev)  # running max
             l_i = torch.zeros(shape.num_heads, device=dev)  # running sum of exp(score - m_i)
             acc = torch.zeros(shape.num_heads, shape.head_dim, device=dev)  # sum of exp(...) * v
-            for j in range(split * per_split, min((split + 1) * per_split, num_blocks)):
+            begin = first + split * per_split
+            for j in range(begin, min(begin + per_split, num_blocks)):
                 # 1. Look up where logical block j lives, and load it.
                 block_id = int(block_tables[i, j])
                 valid = min(bs, n - j * bs)  # tokens in this block; the last may be partial
@@ -232,8 +259,10 @@ def paged_attention_online_softmax_ref(
                 v = value_cache[block_id, :valid].float()
                 k = k.repeat_interleave(group, dim=1)  # each KV head serves `group` query heads
                 v = v.repeat_interleave(group, dim=1)  # (valid, num_heads, head_dim)
-                # 2. Scores of this block only: (num_heads, valid).
+                # 2. Scores of this block only: (num_heads, valid). The window's first block may
+                #    begin with keys before the window: they score -inf, so weigh 0.
                 s = torch.einsum("hd,thd->ht", qi, k) * shape.scale
+                s[:, : max(start - j * bs, 0)] = float("-inf")  # nothing, past the first block
                 # 3. Raise the running max; rescale what was summed under the old max.
                 m_new = torch.maximum(m_i, s.max(dim=1).values)
                 alpha = torch.exp(m_i - m_new)  # exp(-inf) = 0 on the first block
