@@ -98,7 +98,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
     d.add_argument(
         "--model",
         default="auto",
-        help="gpt2, facebook/opt-125m, tiny-gpt2, tiny-opt, a path, or auto: gpt2 if cached, "
+        help="gpt2, facebook/opt-125m, tiny-gpt2, tiny-opt, tiny-mistral / tiny-gemma3 (sliding "
+        "windows), a path, or auto: gpt2 if cached, "
         "else tiny-gpt2",
     )
     d.add_argument(

@@ -81,13 +81,14 @@ def cancel_due(out) -> bool:
     )
 
 
-def default_num_blocks(tokenizer, reqs, block_size: int) -> int:
+def default_num_blocks(tokenizer, reqs, block_size: int, num_groups: int = 1) -> int:
     """Room for the largest request alone (all its samples or beams), but about half of what
-    all of them need together, so that some requests must be preempted."""
+    all of them need together, so that some requests must be preempted. A model with several
+    KV-cache groups (sliding-window layers) takes a prompt's blocks in each group."""
     need = []
     for _, prompt, p in reqs:
         n_tokens = len(tokenizer.encode(prompt)) + min(p.max_tokens, 64)
-        need.append(p.n * -(-n_tokens // block_size))
+        need.append(num_groups * p.n * -(-n_tokens // block_size))
     return max(max(need) + 2, sum(need) // 2)
 
 
@@ -122,7 +123,8 @@ def check_for_model(
             f"block_size {block_size} is more than {loaded.name}'s context of {context} "
             "tokens: a block that long could never fill",
         )
-    per_token = kv_cache_spec(loaded.model).bytes_per_token
+    spec = kv_cache_spec(loaded.model)
+    per_token = spec.block_bytes(block_size) // block_size  # one group's layers, if several
     pools = 2 if swap else 1
     nbytes = pools * num_blocks * block_size * per_token
     if nbytes > MAX_POOL_BYTES:
@@ -146,13 +148,15 @@ def run_demo(
 ) -> None:
     from pagedlearn import LLM
     from pagedlearn.models import load
+    from pagedlearn.models.runner import kv_cache_spec
 
     check_options(block_size, num_blocks)  # before the model loads: seconds saved on a typo
     reqs = requests()
     loaded = load(model)
     given = num_blocks is not None
     if not given:  # size the pool from the prompts as this model tokenizes them
-        num_blocks = default_num_blocks(loaded.tokenizer, reqs, block_size)
+        groups = len(kv_cache_spec(loaded.model).groups)
+        num_blocks = default_num_blocks(loaded.tokenizer, reqs, block_size, groups)
     check_for_model(loaded, block_size, num_blocks, preemption_mode == "swap", given)
     llm = LLM(
         loaded,

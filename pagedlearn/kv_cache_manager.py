@@ -211,10 +211,9 @@ class KVCacheManager:
         """Make ``child_id`` a copy of ``parent_id`` that shares all its blocks (no KV copied)."""
         parent = self._seqs.on_gpu(parent_id)
         self._seqs.check_new(child_id)
-        blocks = parent.live_blocks()  # a sliding window's null entries are shared as they are
-        self.allocator.incref(blocks)
+        self.allocator.incref(parent.block_ids)
         self._seqs.add(child_id, parent.copy(), self._seqs.extra_keys[parent_id])
-        self._events.incref(parent_id, child_id, blocks)
+        self._events.incref(parent_id, child_id, parent.block_ids)
 
     def free_sequence(self, seq_id: Hashable) -> None:
         """Return a finished (or aborted) sequence's blocks. Cached blocks stay findable until
@@ -222,7 +221,7 @@ class KVCacheManager:
         on_cpu = self._seqs.is_swapped(seq_id)
         # Tail first: the tail of a sequence is the least likely to be shared, so it should be
         # the first evicted -- freeing it first puts it nearer the front of the LRU queue.
-        blocks = self._seqs.table(seq_id).live_blocks()[::-1]
+        blocks = self._seqs.table(seq_id).block_ids[::-1]
         (self.cpu_allocator if on_cpu else self.allocator).free(blocks)
         self._events.free(seq_id, blocks, cpu=on_cpu)
         self._seqs.remove(seq_id)
@@ -278,7 +277,7 @@ class KVCacheManager:
     def blocks_needed(self, num_tokens: int) -> int:
         """Blocks a new sequence of ``num_tokens`` tokens takes: ceil(num_tokens / block_size)
         (the coordinator sums its groups). A scheduler asks it to size an admission."""
-        return -(-num_tokens // self.block_size)
+        return self.block_table_class(self.block_size).blocks_needed(num_tokens)
 
     def token_ids(self, seq_id: Hashable) -> list[int]:
         return list(self._seqs.table(seq_id).token_ids)  # swapped sequences too

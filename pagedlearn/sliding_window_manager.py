@@ -20,6 +20,7 @@ changes three things (vLLM: ``SlidingWindowManager`` in
    found from the right, not from the left, and it need not be the longest cached *prefix*.
 3. **Nothing else.** Blocks are still allocated one per ``block_size`` tokens, a prompt still
    takes blocks for all its tokens (its prefill's queries read them all), forks share blocks
+   (the null entries too: ``fork`` and ``free_sequence`` below skip them, as swap.py does)
    and copy the last one on write, swapping moves the live blocks and keeps the nulls.
 
 >>> kv = SlidingWindowManager(num_blocks=8, block_size=4, sliding_window=6)
@@ -78,6 +79,23 @@ class SlidingWindowManager(KVCacheManager):
         self._events.window_free(seq_id, blocks, first)
         self._counters["window_freed_blocks"] += len(blocks)
         return len(blocks)
+
+    def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
+        """:meth:`KVCacheManager.fork`, sharing the live blocks (null entries stay null)."""
+        parent = self._seqs.on_gpu(parent_id)
+        self._seqs.check_new(child_id)
+        blocks = parent.live_blocks()
+        self.allocator.incref(blocks)
+        self._seqs.add(child_id, parent.copy(), self._seqs.extra_keys[parent_id])
+        self._events.incref(parent_id, child_id, blocks)
+
+    def free_sequence(self, seq_id: Hashable) -> None:
+        """:meth:`KVCacheManager.free_sequence`, returning the live blocks only (tail first)."""
+        on_cpu = self._seqs.is_swapped(seq_id)
+        blocks = self._seqs.table(seq_id).live_blocks()[::-1]
+        (self.cpu_allocator if on_cpu else self.allocator).free(blocks)
+        self._events.free(seq_id, blocks, cpu=on_cpu)
+        self._seqs.remove(seq_id)
 
     def _find_prefix(
         self, tokens: list[int], extra: tuple, limit: int | None = None

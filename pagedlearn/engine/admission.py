@@ -105,10 +105,9 @@ def _why_never(engine, n: int, params: SamplingParams | BeamSearchParams) -> str
     q, bs, pool = engine.scheduler, engine.kv.block_size, engine.kv.allocator.num_blocks
     if n > engine.max_model_len:
         return f"its prompt has {n} tokens, more than the model's {engine.max_model_len} positions"
-    if -(-n // bs) > pool:
+    if (blocks := engine.kv.blocks_needed(n)) > pool:
         return (
-            f"its prompt needs {-(-n // bs)} blocks of {bs} tokens, more than the whole "
-            f"pool of {pool}"
+            f"its prompt needs {blocks} blocks of {bs} tokens, more than the whole pool of {pool}"
         )
     if (reserve := q.reserved_blocks(n, params)) > pool:
         return (

@@ -36,6 +36,7 @@ from pagedlearn.engine.sampling_params import BeamSearchParams, SamplingParams
 from pagedlearn.engine.scheduler import KV_RESERVATIONS, PREEMPTION_MODES
 from pagedlearn.errors import KernelUnavailableError, PagedLearnError
 from pagedlearn.kv_cache import KVCache
+from pagedlearn.kv_cache_coordinator import KVCacheCoordinator
 from pagedlearn.kv_cache_manager import KVCacheManager
 from pagedlearn.models.runner import ModelRunner, kv_cache_spec, max_model_len
 
@@ -47,7 +48,8 @@ class LLM:
     """Serve a Hugging Face causal LM (GPT-2, OPT, ...) from a paged KV cache.
 
     ``model``: anything :func:`pagedlearn.models.load` takes ("gpt2", "facebook/opt-125m",
-    "tiny-gpt2", "tiny-opt", "auto", a local path, a ``PreTrainedModel``), or what it returned.
+    "tiny-gpt2", "tiny-opt", "tiny-mistral", "tiny-gemma3", "auto", a local path, a
+    ``PreTrainedModel``), or what it returned.
     ``attention_backend``: "torch" (the PyTorch references), "triton" (the kernels; on a CPU only
     with ``TRITON_INTERPRET=1`` set before triton is imported), or "auto" (Triton on a GPU, the
     references on a CPU). ``swap_blocks``: size of the CPU swap pool in blocks (default: as many
@@ -120,7 +122,8 @@ class LLM:
         if num_blocks is None:
             if kv_cache_memory is None:
                 kv_cache_memory = _default_budget(dev)
-                cap = -(-max_num_seqs * max_len // block_size)  # enough for max_num_seqs, full
+                # Enough for max_num_seqs sequences of the model's full length, in every group.
+                cap = len(spec.groups) * -(-max_num_seqs * max_len // block_size)
                 num_blocks = min(spec.num_blocks_for(kv_cache_memory, block_size), cap)
             else:
                 num_blocks = spec.num_blocks_for(kv_cache_memory, block_size)
@@ -140,13 +143,29 @@ class LLM:
                 f"({max_num_seqs}): every running sequence decodes one token per step"
             )
 
-        kv = (kv_cache_manager or KVCacheManager)(
-            num_blocks,
-            block_size,
-            enable_prefix_caching,
-            model_id=loaded.name,
-            num_cpu_blocks=swap_blocks,
-        )
+        if spec.is_hybrid:  # sliding-window layers: one manager per KV-cache group
+            if kv_cache_manager is not None:
+                raise PagedLearnError(
+                    f"kv_cache_manager= runs full-attention models only; {loaded.name} has "
+                    "sliding-window layers, whose KV-cache groups pagedlearn's own "
+                    "KVCacheCoordinator manages"
+                )
+            kv = KVCacheCoordinator(
+                spec.groups,
+                num_blocks,
+                block_size,
+                enable_prefix_caching,
+                model_id=loaded.name,
+                num_cpu_blocks=swap_blocks,
+            )
+        else:
+            kv = (kv_cache_manager or KVCacheManager)(
+                num_blocks,
+                block_size,
+                enable_prefix_caching,
+                model_id=loaded.name,
+                num_cpu_blocks=swap_blocks,
+            )
         cache = KVCache(spec, num_blocks, block_size, dev, swap_blocks)
         runner = ModelRunner(hf_model, cache, backend)
         self.engine = LLMEngine(

@@ -203,7 +203,7 @@ class LLMEngine:
             t2 = time.perf_counter()
             logits = self.runner.execute(
                 [
-                    SequenceInput(s.new_tokens, s.start_pos, s.slots, s.block_table)
+                    SequenceInput(s.new_tokens, s.start_pos, s.slots, s.block_tables)
                     for s in sched.scheduled
                 ]
             )

@@ -56,7 +56,7 @@ class KVReservation:
         tokens = num_prompt_tokens + params.max_tokens
         if self.max_model_len is not None:
             tokens = min(tokens, self.max_model_len)
-        return params.n * -(-tokens // self.kv.block_size)
+        return params.n * self.kv.blocks_needed(tokens)  # every KV-cache group's blocks
 
     def reservation_of(self, req: Request) -> int:
         return self.reserved_blocks(len(req.prompt_token_ids), req.params)
@@ -69,7 +69,14 @@ class KVReservation:
         scheduler's preemption path stays as a safety net. Under paging: just the free blocks."""
         owed = 0
         for r in running:
-            held = {b for s in r.seqs if s.seq_id in self.kv for b in self.kv.block_table(s.seq_id)}
+            held = {
+                b
+                for s in r.seqs
+                if s.seq_id in self.kv
+                for table in self.kv.block_tables(s.seq_id)
+                for b in table
+                if b >= 0  # a sliding window's freed entries hold no block
+            }
             owed += max(0, self.reservation_of(r) - len(held))
         return self.kv.num_free_blocks - owed
 

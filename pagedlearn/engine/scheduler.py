@@ -114,9 +114,15 @@ class Scheduler:
         prefilling = {rid: n for rid, n in pending.items() if n}
         decode_seqs = sum(len(r.seqs) for r in self.running if r.request_id not in prefilling)
         prefill_budget = self.max_num_batched_tokens - decode_seqs  # decodes come first
-        # Each decoding sequence takes at most one block (a new one, or a copy-on-write copy):
-        # with that many free blocks and no prompt in progress, nobody can run short.
-        fast = not prefilling and decode_seqs <= kv.num_free_blocks
+        # A sliding window's blocks that no query will read again go back to the pool first
+        # (a no-op for full attention): the checks below then count the room they leave.
+        for r in self.running:
+            for seq_id in r.seq_ids:
+                kv.remove_skipped_blocks(seq_id, kv.num_tokens(seq_id))
+        # Each decoding sequence takes at most one block per KV-cache group (a new one, or a
+        # copy-on-write copy): with that many free blocks and no prompt in progress, nobody
+        # can run short. (blocks_needed(1): one block in every group.)
+        fast = not prefilling and decode_seqs * kv.blocks_needed(1) <= kv.num_free_blocks
         queue, kept = list(self.running), []
         while queue:
             req = queue.pop(0)  # the oldest not yet handled
@@ -150,8 +156,9 @@ class Scheduler:
             if not fits or not self.reservation.fits(req, self.running):
                 return
             alone = not self.running
-            # Room for the copies back plus, to be safe, one new block per sequence to append.
-            need = kv.blocks_to_swap_in(ids) + (0 if alone else len(ids))
+            # Room for the copies back plus, to be safe, one new block per sequence to append
+            # (in every KV-cache group: blocks_needed(1)).
+            need = kv.blocks_to_swap_in(ids) + (0 if alone else len(ids) * kv.blocks_needed(1))
             if need > kv.num_free_blocks:
                 if alone:
                     self._fail(req, out, f"needs {need} blocks to resume, the pool has {pool}")
@@ -167,10 +174,10 @@ class Scheduler:
             out.add_next_tokens(kv, req)
 
     def _schedule_waiting(self, out: SchedulerOutput) -> None:
-        kv, bs = self.kv, self.kv.block_size
+        kv = self.kv
         while self.waiting:
             req = self.waiting[0]
-            total = sum(-(-len(s.token_ids) // bs) for s in req.seqs)
+            total = sum(kv.blocks_needed(len(s.token_ids)) for s in req.seqs)
             if total > kv.allocator.num_blocks:  # it grew while running, then was preempted
                 n, pool = sum(len(s.token_ids) for s in req.seqs), kv.allocator.num_blocks
                 why = f"needs {total} blocks for its {n} tokens, more than the whole pool of {pool}"
@@ -179,7 +186,7 @@ class Scheduler:
             if not self._fits_budgets(req, req.params.n, out):
                 return
             chunk = self._first_chunk(req, out)  # all of the prompt without chunking
-            blocks = -(-chunk // bs) if len(req.seqs) == 1 else total  # ignoring cache hits
+            blocks = kv.blocks_needed(chunk) if len(req.seqs) == 1 else total  # no cache hits
             if self.kv_reservation == "max":  # its whole reservation, not just the prompt
                 if not self.reservation.fits(req, self.running):
                     return

@@ -40,14 +40,15 @@ if TYPE_CHECKING:
 @dataclass
 class ScheduledSequence:
     """One sequence's work this step: ``new_tokens`` at positions ``start_pos...``, K/V into
-    ``slots``; a prefill when several (or all the prompt's) tokens are new."""
+    ``slots``; a prefill when several (or all the prompt's) tokens are new. ``slots`` and
+    ``block_tables`` hold one list per KV-cache group (one for GPT-2; kv_cache_groups.py)."""
 
     request: Request
     seq: Sequence
     start_pos: int
     new_tokens: list[int]
-    slots: list[int]
-    block_table: list[int]
+    slots: list[list[int]]
+    block_tables: list[list[int]]
     is_prefill: bool
     samples: bool = True  # the chunk reaches the sequence's last token: sample the next one
 
@@ -80,7 +81,7 @@ class SchedulerOutput:
         False, with no blocks taken, if they don't fit."""
         self.touched.append(req)
         if len(req.seqs) > 1:  # re-admission after recompute: check first, so nothing can fail
-            blocks = sum(-(-len(s.token_ids) // kv.block_size) for s in req.seqs)
+            blocks = sum(kv.blocks_needed(len(s.token_ids)) for s in req.seqs)
             if blocks > kv.num_free_blocks:
                 return False
         reused = []
@@ -95,8 +96,8 @@ class SchedulerOutput:
         for seq, r in zip(req.seqs, reused, strict=True):
             n = kv.num_tokens(seq.seq_id)
             planned = ScheduledSequence(
-                req, seq, r, seq.token_ids[r:n], kv.slot_mapping(seq.seq_id)[r:],
-                kv.block_table(seq.seq_id), is_prefill=True, samples=n == len(seq.token_ids),
+                req, seq, r, seq.token_ids[r:n], kv.slots(seq.seq_id, r),
+                kv.block_tables(seq.seq_id), is_prefill=True, samples=n == len(seq.token_ids),
             )  # fmt: skip
             self.scheduled.append(planned)
         return True
@@ -110,9 +111,10 @@ class SchedulerOutput:
         for seq in req.seqs:
             start = kv.num_tokens(seq.seq_id)
             new = seq.token_ids[start : start + chunk]
-            slots = [kv.append_token(seq.seq_id, t) for t in new]
+            for t in new:
+                kv.append_token(seq.seq_id, t)
             planned = ScheduledSequence(
-                req, seq, start, new, slots, kv.block_table(seq.seq_id),
+                req, seq, start, new, kv.slots(seq.seq_id, start), kv.block_tables(seq.seq_id),
                 is_prefill=start < seq.num_prompt_tokens or chunk > 1,
                 samples=start + chunk == len(seq.token_ids),
             )  # fmt: skip

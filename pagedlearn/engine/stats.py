@@ -14,7 +14,7 @@ which requests each step admitted, swapped back in, preempted or finished -- the
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import ClassVar
 
 
@@ -51,6 +51,10 @@ class StepStats:
     allocation_failures: int
     num_finished: int
     num_failed: int
+    # Models with several KV-cache groups (kv_cache_groups.py): GPU blocks held per group, and
+    # the blocks sliding windows have handed back so far. One group: {} and 0.
+    group_blocks: dict[str, int] = field(default_factory=dict)
+    window_freed_blocks: int = 0
 
     @property
     def usage(self) -> float:
@@ -102,6 +106,8 @@ class StepStats:
             allocation_failures=s["allocation_failures"],
             num_finished=engine.num_finished,
             num_failed=engine.num_failed,
+            group_blocks=dict(s.get("groups", {})),
+            window_freed_blocks=s.get("window_freed_blocks", 0),
         )
 
     def as_dict(self) -> dict:
@@ -120,7 +126,16 @@ class StepStats:
             f"  preemptions: recompute {self.preemptions_recompute}, swap {self.preemptions_swap} "
             f"(blocks out {self.swap_out_blocks}, in {self.swap_in_blocks}); copy-on-write "
             f"{self.cow_copies}; allocation failures {self.allocation_failures}\n"
-            f"  finished {self.num_finished}, failed {self.num_failed}"
+            f"  finished {self.num_finished}, failed {self.num_failed}" + self._groups_line()
+        )
+
+    def _groups_line(self) -> str:
+        if not self.group_blocks:
+            return ""
+        held = ", ".join(f"{name} {n}" for name, n in self.group_blocks.items())
+        return (
+            f"\n  KV-cache groups: blocks held {held}; freed by sliding windows "
+            f"{self.window_freed_blocks}"
         )
 
 

@@ -47,12 +47,14 @@ class PagedAttentionMetadata:
     """What every attention layer needs to know about the packed batch, built once per step.
 
     ``S`` sequences bring ``T`` new tokens in total; sequence ``i``'s tokens are rows
-    ``cu_seqlens_q[i]:cu_seqlens_q[i+1]`` of the packed batch.
+    ``cu_seqlens_q[i]:cu_seqlens_q[i+1]`` of the packed batch. Slots and block tables come
+    once per KV-cache group (one for GPT-2 and OPT); a layer reads its group's
+    (``kv_cache.group_of(layer)``).
     """
 
     kv_cache: KVCache
-    slot_mapping: torch.Tensor  # (T,) int64: where each new token's K/V are written
-    block_tables: torch.Tensor  # (S, max_blocks) int32, padded with -1 (never read)
+    slot_mappings: list[torch.Tensor]  # per group, (T,) int64: where each new token's K/V go
+    block_tables: list[torch.Tensor]  # per group, (S, max_blocks) int32, padded with -1
     context_lens: torch.Tensor  # (S,) int32: tokens in the cache after this step, new ones included
     cu_seqlens_q: torch.Tensor  # (S + 1,) int32: prefix sums of the new tokens per sequence
     max_query_len: int  # the most new tokens any sequence brings (1 for a pure decode step)
@@ -119,17 +121,30 @@ def paged_attention_forward(
     write_kv, decode, prefill = _ops(meta.backend)
     q = query[0].transpose(0, 1)  # (T, num_heads, head_dim), a strided view: no copy
     k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)  # (T, num_kv_heads, head_dim)
-    key_cache, value_cache = meta.kv_cache.key_cache(layer), meta.kv_cache.value_cache(layer)
+    cache = meta.kv_cache
+    key_cache, value_cache = cache.key_cache(layer), cache.value_cache(layer)
+    group = cache.group_of(layer)
+    window = cache.groups[group].sliding_window  # None: full attention
+    # Mistral and Gemma pass their layer's window; a model that says otherwise than the group
+    # we built from its config (layer_windows.py) would read the wrong blocks: refuse it.
+    if "sliding_window" in kwargs and kwargs["sliding_window"] != window:
+        raise PagedLearnError(
+            f"layer {layer} of {type(module).__name__} attends with sliding_window="
+            f"{kwargs.get('sliding_window')!r}, but its KV-cache group was built for {window!r}"
+        )
+    tables = meta.block_tables[group]
 
-    write_kv(k, v, key_cache, value_cache, meta.slot_mapping)  # first write, then read
+    write_kv(k, v, key_cache, value_cache, meta.slot_mappings[group])  # first write, then read
     if meta.decode_only:  # one query per sequence: the decode kernel, one row per sequence
-        out = decode(q, key_cache, value_cache, meta.block_tables, meta.context_lens, scaling)
+        out = decode(
+            q, key_cache, value_cache, tables, meta.context_lens, scaling, sliding_window=window
+        )
     else:
-        args = (q, key_cache, value_cache, meta.block_tables, meta.cu_seqlens_q, meta.context_lens)
+        args = (q, key_cache, value_cache, tables, meta.cu_seqlens_q, meta.context_lens)
         if meta.backend == "triton":
-            out = prefill(*args, scaling, max_query_len=meta.max_query_len)
+            out = prefill(*args, scaling, max_query_len=meta.max_query_len, sliding_window=window)
         else:
-            out = prefill(*args, scaling)
+            out = prefill(*args, scaling, sliding_window=window)
     return out.unsqueeze(0), None  # (1, T, num_heads, head_dim), as transformers expects
 
 

@@ -10,7 +10,9 @@ not cover, or one decoded token), and they are concatenated into a single row::
     slot_mapping  [s  s  s  s  | s            | s          ]     where each token's K/V go
     cu_seqlens_q  [0, 4, 5, 6]                                    sequence i owns rows cu[i]:cu[i+1]
 
-Block tables and context lengths tell attention where each sequence's earlier K/V live. Only the
+Block tables and context lengths tell attention where each sequence's earlier K/V live. A model
+with several KV-cache groups (sliding-window and full layers: kv_cache_groups.py) has one slot
+mapping and one set of block tables per group; each layer reads its group's. Only the
 last position of each sequence needs logits (the next token is sampled from it), so the LM head
 runs on ``S`` rows, not ``T`` (``logits_to_keep``).
 
@@ -52,10 +54,19 @@ KV_SHAPES: dict[str, Callable] = {
 
 
 def kv_cache_spec(model, dtype: torch.dtype | None = None) -> KVCacheSpec:
-    """The per-token KV shape of a Hugging Face causal LM (in the model's dtype by default)."""
+    """The per-token KV shape of a Hugging Face causal LM (in the model's dtype by default),
+    with each layer's sliding window when some layer has one (layer_windows.py). Raises
+    :class:`PagedLearnError` for an attention feature pagedlearn does not implement."""
+    from pagedlearn.models.layer_windows import check_supported, layer_windows
+
     config = model.config
+    check_supported(config)
     layers, kv_heads, head_dim = KV_SHAPES.get(config.model_type, _default_kv_shape)(config)
-    return KVCacheSpec(layers, kv_heads, head_dim, dtype or model.dtype)
+    windows = tuple(layer_windows(config))
+    hybrid = any(w is not None for w in windows)
+    return KVCacheSpec(
+        layers, kv_heads, head_dim, dtype or model.dtype, windows if hybrid else None
+    )
 
 
 def max_model_len(model) -> int:
@@ -70,12 +81,13 @@ def max_model_len(model) -> int:
 @dataclass
 class SequenceInput:
     """One scheduled sequence's share of the step: ``new_tokens`` at positions
-    ``start_pos .. start_pos + len(new_tokens) - 1``, whose K/V go to ``slots``."""
+    ``start_pos .. start_pos + len(new_tokens) - 1``, whose K/V go to ``slots``. ``slots`` and
+    ``block_tables`` hold one list per KV-cache group, in the KV cache's group order."""
 
     new_tokens: Sequence[int]
     start_pos: int
-    slots: Sequence[int]
-    block_table: Sequence[int]
+    slots: Sequence[Sequence[int]]
+    block_tables: Sequence[Sequence[int]]
 
 
 class ModelRunner:
@@ -93,23 +105,29 @@ class ModelRunner:
     def execute(self, seqs: Sequence[SequenceInput]) -> torch.Tensor:
         """One forward pass over all new tokens; returns logits ``(S, vocab)`` in float32, one row
         per sequence: the prediction after its last new token."""
-        ids, positions, slots, cu, lens = [], [], [], [0], []
+        ids, positions, cu, lens = [], [], [0], []
+        num_groups = len(self.kv_cache.groups)
+        slots: list[list[int]] = [[] for _ in range(num_groups)]  # per group: (T,)
         for s in seqs:
             n = len(s.new_tokens)
             ids.extend(s.new_tokens)
             positions.extend(range(s.start_pos, s.start_pos + n))
-            slots.extend(s.slots)
+            for g in range(num_groups):
+                slots[g].extend(s.slots[g])
             cu.append(cu[-1] + n)
             lens.append(s.start_pos + n)
-        width = max(len(s.block_table) for s in seqs)
-        tables = [list(s.block_table) + [-1] * (width - len(s.block_table)) for s in seqs]
+        tables = []  # per group: (S, max_blocks) padded with -1
+        for g in range(num_groups):
+            width = max(len(s.block_tables[g]) for s in seqs)
+            tables.append([list(s.block_tables[g]) + [-1] * (width - len(s.block_tables[g]))
+                           for s in seqs])  # fmt: skip
 
         dev = self.device
         cu_t = torch.tensor(cu, dtype=torch.int32)
         meta = PagedAttentionMetadata(
             kv_cache=self.kv_cache,
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
+            slot_mappings=[torch.tensor(x, dtype=torch.int64, device=dev) for x in slots],
+            block_tables=[torch.tensor(t, dtype=torch.int32, device=dev) for t in tables],
             context_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
             cu_seqlens_q=cu_t.to(dev),
             max_query_len=max(len(s.new_tokens) for s in seqs),
