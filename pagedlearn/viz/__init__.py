@@ -1,14 +1,21 @@
 """Pictures of the paged KV cache, drawn from the real state -- never from a mock.
 
-Read in this order: ``frame`` (one frozen ``PoolState`` per moment, from a live manager / engine
-or from a recorded trace), ``colors`` (which request gets which colour: one assignment per run,
-never one colour for two requests on screen together), ``state`` (a recorded run's frames with
-their colours; it also names everything a drawing reads), ``style`` (fixed looks, fonts),
-``pool`` (the physical blocks as a grid), ``tables`` (block tables pointing into the pool, the
-paper's Figures 6-7), ``timeline`` (blocks and queues over steps), ``fragmentation`` (reservation vs
-paging, the paper's Figure 2), ``panels`` and ``view`` (the text panels and the widget layout
-both dashboards share), ``live`` (the ipywidgets dashboard that follows a running engine) and
-``replay`` (the view that scrubs through a recorded run).
+Read in this order: ``frame`` (one frozen ``PoolState`` per moment), ``sources`` (building one
+from a live manager / engine or from a recorded trace), ``colors`` (which request gets which
+colour: one assignment per run, never one colour for two requests on screen together),
+``state`` (a recorded run's frames with their colours; it also names everything a drawing
+reads), ``style`` (fixed looks, fonts), ``pool`` (the physical blocks as a grid), ``tables``
+(block tables pointing into the pool, the paper's Figures 6-7), ``timeline`` (blocks and queues
+over steps), ``fragmentation`` (reservation vs paging, the paper's Figure 2), ``panels`` and
+``view`` (the text panels and the widget layout both dashboards share), ``live`` (the ipywidgets
+dashboard that follows a running engine) and ``replay`` (the view that scrubs through a recorded
+run).
+
+A model with sliding-window layers (Mistral: all of them; Gemma 3: with full ones), whose
+coordinator keeps its layers' KV-cache groups over one pool, is drawn by the same code: a table
+per sequence per group, each named ``"<seq>|<group>"`` as its trace names it; a request keeps
+one colour in all its groups, a pool cell carries its group's tag, and a sliding group's table
+shows its freed head (entries a window gave back) with no arrows.
 
 Every ``draw_*`` function returns a matplotlib ``Figure`` (no pyplot: nothing global changes).
 The names are looked up on first use, so ``import pagedlearn.viz`` loads neither matplotlib nor

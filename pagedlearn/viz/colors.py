@@ -54,7 +54,8 @@ from dataclasses import replace
 from matplotlib.colors import to_hex
 
 from pagedlearn.sim import plots
-from pagedlearn.viz.frame import PoolState, groups_in_order, pool_state
+from pagedlearn.viz.frame import PoolState, groups_in_order
+from pagedlearn.viz.sources import pool_state
 
 OKABE_ITO = plots.OKABE_ITO
 REQUEST_COLORS = [c for c in OKABE_ITO if to_hex(c) != "#000000"]  # black: see rule 1 above

@@ -28,6 +28,7 @@ import matplotlib
 from matplotlib.figure import Figure  # no pyplot: no global state, no windows
 from matplotlib.patches import Patch, Rectangle
 
+from pagedlearn.errors import PagedLearnError
 from pagedlearn.sim.paper import SYSTEMS, figure2_parts, make_memory
 from pagedlearn.sim.plots import FIG2_PARTS, LABELS, OKABE_ITO, STYLE
 from pagedlearn.sim.simulator import simulate
@@ -256,6 +257,12 @@ def _layout(memory, running_lengths) -> list[tuple[int, int, str, int | None]]:
         segments += [(o, n, "free", None) for o, n in memory.buddy.free_runs()]
     else:  # paging: each request's blocks, wherever the block manager put them
         kv, bs = memory.kv, memory.block_size
+        if hasattr(kv, "group_tables"):  # block_table() would be one KV-cache group's only
+            raise PagedLearnError(
+                "the reservation-vs-paging strip lays out one block table per request (the "
+                "paper's Figure 2, full attention); a KVCacheCoordinator keeps one per KV-cache "
+                "group over a shared pool: draw it with draw_block_pool or draw_block_tables"
+            )
         used = set()
         for req, _ in running_lengths:
             n = kv.num_tokens(req.request_id)

@@ -1,26 +1,38 @@
-"""One frame: the frozen :class:`PoolState` of the pool at one moment, and the two ways to build it.
+"""One frame: the frozen :class:`PoolState` of the pool at one moment.
 
-- **live**: :func:`pool_state` reads a :class:`~pagedlearn.KVCacheManager` (or an ``LLM`` /
-  ``LLMEngine``, which adds its requests and stats) as it is now;
-- **replay**: :func:`state_of_replay` reads a :class:`~pagedlearn.trace.PoolReplay` as of a
-  ``step`` event -- no model, no manager.
-
-Both go through :func:`build_state`, so they cannot drift apart. Read-only: nothing here mutates.
-This file sits below ``viz/colors.py`` (a palette observes frames); ``viz/state.py`` sits above
-both and hands out a recorded run's frames with their colours (``replay_states``).
+Two places build one (``viz/sources.py``): a live manager or engine (``pool_state``), and a
+replayed trace (``state_of_replay``); both go through one constructor, so they cannot drift
+apart. Read-only: nothing here mutates. This file sits below ``viz/sources.py`` and
+``viz/colors.py`` (a palette observes frames); ``viz/state.py`` sits above them all and hands
+out a recorded run's frames with their colours (``replay_states``).
 
 Per block we keep what the paper's figures show: who points at it (``owners``, from the block
 tables), its ``refcount``, how many of its ``block_size`` slots hold KV (``num_tokens``, the
 fullest owner's view: sharers of a partial block hold the same tokens until one writes and
 copies), whether its hash is in the prefix cache (``cached``; a *free* cached block still holds a
 findable prefix until it is evicted) and the tokens it holds.
+
+**KV-cache groups.** A model that mixes attention kinds (kv_cache_groups.py: full and
+sliding-window layers) keeps a block table per sequence *per group*, over one pool. A frame of
+such a model names each table as the trace does, ``"<seq id>|<group>"`` (block_events.py), so
+that a live frame and its replay hold the same keys: ``tables["a|sliding 24"]``. A sliding
+group's table starts with null entries (-1, ``NULL_BLOCK``): blocks its window left behind,
+back in the pool; no block is owned through them. :attr:`PoolState.kv_groups` names the groups
+(empty for a one-group model such as GPT-2), :meth:`PoolState.kv_group_of` and
+:meth:`PoolState.seq_of` split a key, and :meth:`PoolState.group_of` -- the *request*, which
+decides the colour -- is the same for a sequence's tables in every group.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Hashable
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
+
+from pagedlearn.block_events import group_seq_id, split_group_seq_id
+from pagedlearn.block_table import NULL_BLOCK
 
 FREE, CACHED, USED, SHARED = "free", "cached", "used", "shared"
 
@@ -31,7 +43,7 @@ class BlockState:
 
     block_id: int
     refcount: int
-    owners: tuple[Hashable, ...]  # sequences whose block table holds it (each once)
+    owners: tuple[Hashable, ...]  # tables holding it (each once; "<seq>|<group>" if grouped)
     num_tokens: int  # slots holding KV, 0..block_size
     cached: bool  # its hash is in the prefix cache
     block_hash: str | None  # hex of that hash, or None
@@ -63,7 +75,8 @@ class PoolState:
 
     block_size: int
     blocks: tuple[BlockState, ...]
-    tables: dict[Hashable, tuple[int, ...]]  # GPU-resident sequences, logical order
+    # GPU-resident sequences, logical order; -1: freed by a sliding window (see the docstring)
+    tables: dict[Hashable, tuple[int, ...]]
     num_tokens: dict[Hashable, int]  # tokens with KV, per sequence (swapped ones too)
     swapped: dict[Hashable, tuple[int, ...]] = field(default_factory=dict)  # CPU block ids
     requests: tuple[RequestState, ...] = ()
@@ -88,11 +101,66 @@ class PoolState:
 
     def group_of(self, seq_id: Hashable) -> Hashable:
         """The request a sequence belongs to (engine runs), else the sequence itself. Drawings
-        colour by group, so that the samples or beams of one request share a colour."""
+        colour by group, so that the samples or beams of one request share a colour -- in every
+        KV-cache group: ``"a.0|full"`` and ``"a.0|sliding 24"`` are both request ``a``'s."""
+        seq_id = self.seq_of(seq_id)
         for r in self.requests:
             if seq_id in r.seqs:
                 return r.request_id
         return _request_of(seq_id)
+
+    @cached_property
+    def kv_groups(self) -> tuple[str, ...]:
+        """The KV-cache groups this frame's tables belong to, in the coordinator's order (full
+        attention first, then sliding windows by size); ``()`` for a one-group model. Read from
+        the tables' names, so a live frame and its replay agree; a frame with no tables has
+        none. (A one-group manager whose every sequence id holds a ``|`` reads as grouped.)"""
+        names = [*self.tables, *self.swapped]
+        groups = [split_group_seq_id(s)[1] for s in names]
+        if not names or None in groups:
+            return ()
+        return tuple(sorted(set(groups), key=kv_group_order))
+
+    def kv_group_of(self, seq_id: Hashable) -> str | None:
+        """The KV-cache group a table's name says (``"a|full"`` -> ``"full"``); None without
+        groups."""
+        return split_group_seq_id(seq_id)[1] if self.kv_groups else None
+
+    def seq_of(self, seq_id: Hashable) -> Hashable:
+        """The sequence a table's name belongs to (``"a|full"`` -> ``"a"``); the name itself
+        without groups."""
+        return split_group_seq_id(seq_id)[0] if self.kv_groups else seq_id
+
+    def tables_of(self, seq_id: Hashable) -> list[Hashable]:
+        """The names of a sequence's tables (GPU or swapped): ``[seq_id]`` without groups, one
+        per KV-cache group with them (``seq_id`` may be a table's name too)."""
+        if not self.kv_groups or split_group_seq_id(seq_id)[1] is not None:
+            names = [seq_id]
+        else:
+            names = [group_seq_id(seq_id, g) for g in self.kv_groups]
+        return [s for s in names if s in self.tables or s in self.swapped]
+
+    def group_counts(self) -> dict[str, int]:
+        """Blocks each KV-cache group's GPU tables hold (a block shared by forks counted once);
+        ``{}`` without groups. The same numbers as the coordinator's ``stats()["groups"]``."""
+        held: dict[str, set[int]] = {g: set() for g in self.kv_groups}
+        if not held:
+            return {}
+        for s, table in self.tables.items():
+            held[self.kv_group_of(s)].update(b for b in table if b != NULL_BLOCK)
+        return {g: len(blocks) for g, blocks in held.items()}
+
+
+_GROUP_NAME = re.compile(r"(full|sliding (\d+))(?: #(\d+))?")
+
+
+def kv_group_order(name: str) -> tuple:
+    """Sort key of a KV-cache group's name, in ``group_layers``' order: ``full`` groups, then
+    ``sliding W`` by window, each kind's ``#k`` in order; other names last, by name."""
+    m = _GROUP_NAME.fullmatch(name)
+    if m is None:
+        return (2, 0, 0, name)
+    return (m[2] is not None, int(m[2] or 0), int(m[3] or 0), name)
 
 
 def groups_in_order(state: PoolState) -> list[Hashable]:
@@ -136,114 +204,3 @@ def _request_of(seq_id: Hashable) -> Hashable:
     if isinstance(seq_id, str) and "." in seq_id:
         return seq_id.rsplit(".", 1)[0]
     return seq_id
-
-
-def build_state(
-    num_blocks: int,
-    block_size: int,
-    tables: dict[Hashable, list[int]],
-    tokens: dict[Hashable, list[int]],
-    swapped: dict[Hashable, list[int]],
-    cached: dict[int, str],
-    cached_tokens: dict[int, list[int]],
-    info: dict[str, Any] | None = None,
-) -> PoolState:
-    """The one constructor both sources go through, so live and replay cannot drift apart."""
-    owners: list[list[Hashable]] = [[] for _ in range(num_blocks)]
-    fill = [0] * num_blocks
-    content: list[tuple[int, ...]] = [()] * num_blocks
-    for seq, table in tables.items():
-        toks = tokens.get(seq, [])
-        for j, b in enumerate(table):
-            owners[b].append(seq)
-            held = toks[j * block_size : (j + 1) * block_size]
-            if len(held) >= fill[b]:  # the fullest sharer's view (see the module docstring)
-                fill[b], content[b] = len(held), tuple(held)
-    blocks = []
-    for b in range(num_blocks):
-        if not owners[b] and b in cached:  # free but findable: its old KV is still there
-            fill[b], content[b] = block_size, tuple(cached_tokens.get(b, ()))
-        blocks.append(
-            BlockState(
-                b, len(owners[b]), tuple(owners[b]), fill[b], b in cached, cached.get(b), content[b]
-            )
-        )
-    info = info or {}
-    requests = [
-        RequestState(
-            r["id"],
-            r["status"],
-            tuple(r["seqs"]),
-            r.get("prompt_tokens", 0),
-            r.get("output_tokens", 0),
-        )
-        for r in info.get("requests", ())
-    ]
-    requests += [
-        RequestState(
-            f["id"],
-            "finished",
-            (),
-            f.get("prompt_tokens", 0),
-            f.get("output_tokens", 0),
-            finish_reason=f.get("reason"),
-        )
-        for f in info.get("finished", ())
-    ]
-    return PoolState(
-        block_size,
-        tuple(blocks),
-        {s: tuple(t) for s, t in tables.items()},
-        {s: len(t) for s, t in tokens.items() if s in tables or s in swapped},
-        {s: tuple(t) for s, t in swapped.items()},
-        tuple(requests),
-        info.get("step"),
-        dict(info.get("stats", {})),
-    )
-
-
-def pool_state(source, info: dict[str, Any] | None = None) -> PoolState:
-    """The pool as it is now. ``source``: a ``KVCacheManager``, an ``LLMEngine`` or an ``LLM``
-    (these add their requests and stats), or a ``PoolState`` (returned as is). ``info``: what a
-    ``step`` event said (the live view passes it), instead of asking the engine."""
-    if isinstance(source, PoolState):
-        return source
-    engine = getattr(source, "engine", source)
-    kv = getattr(engine, "kv", engine)
-    if not hasattr(kv, "allocator"):
-        raise TypeError(
-            "pool_state needs a KVCacheManager, an LLMEngine or an LLM, got "
-            f"{type(source).__name__}"
-        )
-    if info is None and engine is not kv:
-        info = engine.step_info()
-    cached, cached_tokens = {}, {}
-    if kv.prefix_cache is not None:
-        for block_hash, entry in kv.prefix_cache.items():
-            cached[entry.block_id] = block_hash.hex()
-            cached_tokens[entry.block_id] = list(entry.token_ids)
-    seqs = kv.sequences()
-    return build_state(
-        kv.allocator.num_blocks,
-        kv.block_size,
-        {s: kv.block_table(s) for s in seqs},
-        {s: kv.token_ids(s) for s in seqs + kv.swapped_sequences()},
-        {s: kv._swapped[s].block_ids for s in kv.swapped_sequences()},
-        cached,
-        cached_tokens,
-        info,
-    )
-
-
-def state_of_replay(replay, block_size: int) -> PoolState:
-    """A :class:`~pagedlearn.trace.PoolReplay` (as of a ``step`` event) as a ``PoolState``."""
-    return build_state(
-        len(replay.refcounts),
-        block_size,
-        replay.tables,
-        replay.tokens,
-        replay.swapped,
-        replay.cached,
-        replay.cached_tokens,
-        replay.step_info,
-    )

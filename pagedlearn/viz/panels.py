@@ -2,6 +2,11 @@
 
 Both views show them (laid out by :mod:`pagedlearn.viz.view`); each is a pure function of a
 :class:`~pagedlearn.viz.state.PoolState`, so a replay shows the same text the live view showed.
+
+With several KV-cache groups (a model with sliding-window layers) the stats line adds the blocks
+each group holds and those the sliding windows have handed back so far, the key says what each
+cell's group tag means, the request list counts a request's blocks over all its groups (``7 (F
+5, S 2)``), and the inspector names the group a block belongs to.
 """
 
 from __future__ import annotations
@@ -9,7 +14,8 @@ from __future__ import annotations
 import html
 from dataclasses import replace
 
-from pagedlearn.viz.pool_labels import FIXED_LOOKS, token_text
+from pagedlearn.block_table import NULL_BLOCK
+from pagedlearn.viz.pool_labels import FIXED_LOOKS, group_entries, group_tags, token_text
 from pagedlearn.viz.state import PoolState, RequestState, step_label
 from pagedlearn.viz.style import OUTLINE_COLOR
 
@@ -57,11 +63,18 @@ def inspect_block(state: PoolState, block_id: int, tokenizer=None) -> str:
     if b.kind == "shared":  # only a partly filled block is ever written again
         full = b.num_tokens == state.block_size
         kind += " (full: never copied)" if full else " (a write will copy it first: CoW)"
-    owners = ", ".join(f"{s} (request {state.group_of(s)})" for s in b.owners) or "none"
+    owners = (
+        ", ".join(f"{state.seq_of(s)} (request {state.group_of(s)})" for s in b.owners) or "none"
+    )
     tokens = token_text(b.token_ids, tokenizer) if b.token_ids else "(none)"
     ids = f"\ntoken ids: {list(b.token_ids)}" if tokenizer is not None and b.token_ids else ""
+    group = ""
+    if state.kv_groups and b.owners:  # one group per block: the groups share no block
+        name = state.kv_group_of(b.owners[0])
+        group = f"KV-cache group: {name} (tag {group_tags(state.kv_groups)[name]})\n"
     return (
         f"block {block_id}: {kind}\n"
+        f"{group}"
         f"refcount: {b.refcount}\n"
         f"fill: {b.num_tokens}/{state.block_size} slots\n"
         f"owners: {owners}\n"
@@ -88,6 +101,15 @@ def stats_html(state: PoolState) -> str:
             f"CoW copies: {s['cow_copies']}",
             f"prefix hit rate: {s['prefix_hit_rate']:.1f}%",
         ]
+    # KV-cache groups: the engine's numbers when it has them (also once every table is gone),
+    # else the frame's own (a coordinator driven by hand); a one-group model has neither.
+    held = s.get("group_blocks")
+    held = (held if isinstance(held, dict) else {}) or state.group_counts()
+    if held:
+        per = ", ".join(f"{html.escape(str(g))} {n}" for g, n in held.items())
+        parts.append(f"blocks per group: {per}")
+    if s.get("group_blocks"):
+        parts.append(f"freed by sliding windows: {s.get('window_freed_blocks', 0)}")
     return " &middot; ".join(parts)
 
 
@@ -98,9 +120,10 @@ def swatch(color: str | None) -> str:
     return f"<span style='color:{color}'>&#9632;</span>"
 
 
-def key_html() -> str:
+def key_html(state: PoolState | None = None) -> str:
     """What the uncoloured looks mean, as the static pictures' legend lists them (the live views'
-    picture has no legend of its own: the request list beside it gives each request's colour)."""
+    picture has no legend of its own: the request list beside it gives each request's colour);
+    and, for a ``state`` with KV-cache groups, what each cell's group tag means."""
 
     def box(fill: str, label: str, hatch: bool) -> str:
         bg = f"repeating-linear-gradient(135deg,#000 0 1px,{fill} 1px 4px)" if hatch else fill
@@ -111,7 +134,11 @@ def key_html() -> str:
         )
 
     boxes = "".join(box(fill, label, bool(hatch)) for fill, _, hatch, label in FIXED_LOOKS)
-    return f"<span style='white-space:nowrap'>{boxes}</span>"
+    key = f"<span style='white-space:nowrap'>{boxes}</span>"
+    if state is not None and state.kv_groups:
+        tags = " &middot; ".join(html.escape(t) for t in group_entries(state.kv_groups))
+        key += f"<br><span style='white-space:nowrap;margin-left:10px'>block tags: {tags}</span>"
+    return key
 
 
 def requests_html(state: PoolState, finished: list[RequestState]) -> str:
@@ -126,9 +153,7 @@ def requests_html(state: PoolState, finished: list[RequestState]) -> str:
     cut = max(0, len(finished) - MAX_FINISHED_ROWS)
     rows = []
     for r in live + finished[cut:]:
-        gpu = {b for s in r.seqs for b in state.tables.get(s, ())}
-        cpu = sum(len(state.swapped.get(s, ())) for s in r.seqs)
-        held = f"{len(gpu)}" + (f" (+{cpu} on CPU)" if cpu else "")
+        held = _held(state, r.seqs)
         done = r.status == "finished"
         color = None if done else state.colors.get(r.request_id)
         rows.append(
@@ -149,24 +174,43 @@ def requests_html(state: PoolState, finished: list[RequestState]) -> str:
 def _sequences_html(state: PoolState) -> str:
     groups: dict = {}
     for s in (*state.tables, *state.swapped):
-        groups.setdefault(state.group_of(s), []).append(s)
+        seqs = groups.setdefault(state.group_of(s), [])
+        if state.seq_of(s) not in seqs:  # a sequence once, whatever its KV-cache groups
+            seqs.append(state.seq_of(s))
     alone = all(seqs == [g] for g, seqs in groups.items())  # no forks: one column is enough
     rows = []
     for g, seqs in groups.items():
-        gpu = {b for s in seqs for b in state.tables.get(s, ())}
-        cpu = sum(len(state.swapped.get(s, ())) for s in seqs)
-        swapped = all(s in state.swapped for s in seqs)
+        names = [n for s in seqs for n in state.tables_of(s)]  # a table per KV-cache group
+        swapped = all(n in state.swapped for n in names)
         row = [
             f"{swatch(state.colors.get(g))} {html.escape(str(g))}",
             "swapped out" if swapped else "in the pool",
             html.escape(", ".join(map(str, seqs))),
-            str(max(state.num_tokens.get(s, 0) for s in seqs)),
-            f"{len(gpu)}" + (f" (+{cpu} on CPU)" if cpu else ""),
+            str(max(state.num_tokens.get(n, 0) for n in names)),
+            _held(state, seqs),
         ]
         rows.append(row[:2] + row[3:] if alone else row)
     head = ("sequence", "status", "tokens", "blocks") if alone else (
         "request", "status", "seqs", "tokens", "blocks")  # fmt: skip
     return _table(head, rows, "no sequences in the pool")
+
+
+def _held(state: PoolState, seqs) -> str:
+    """The blocks sequences hold: distinct GPU blocks (null entries are none), ``(+n on CPU)``,
+    and per KV-cache group by tag when the model has several (``7 (F 5, S 2)``)."""
+    names = [n for s in seqs for n in state.tables_of(s)]
+    gpu = {b for n in names for b in state.tables.get(n, ()) if b != NULL_BLOCK}
+    cpu = sum(b != NULL_BLOCK for n in names for b in state.swapped.get(n, ()))
+    held = f"{len(gpu)}"
+    if state.kv_groups and gpu:
+        tags = group_tags(state.kv_groups)
+        per = {
+            tags[g]: len({b for n in names if state.kv_group_of(n) == g
+                          for b in state.tables.get(n, ()) if b != NULL_BLOCK})
+            for g in state.kv_groups
+        }  # fmt: skip
+        held += " (" + ", ".join(f"{html.escape(t)} {k}" for t, k in per.items()) + ")"
+    return held + (f" (+{cpu} on CPU)" if cpu else "")
 
 
 def _table(head: tuple[str, ...], rows: list[list[str]], empty: str) -> str:

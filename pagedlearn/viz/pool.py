@@ -4,8 +4,12 @@ One cell per physical block, in block-id order (row by row, ``per_row`` blocks a
 
     ┌──────────┐   top band: the block id, and "x<refcount>" when several tables point here
     │  12 x2   │
-    │█████░░░░░│   bar: filled in proportion to num_tokens / block_size, in the owning request's
+    │█████░░[S]│   bar: filled in proportion to num_tokens / block_size, in the owning request's
     └──────────┘   colour; hatched when shared; light grey when free but still cached
+
+``[S]``: in a model with several KV-cache groups (full and sliding-window layers), the tag of
+the group whose table holds the block (pool_labels.group_tags; the legend names them). A
+request's blocks have its colour in every group; the tag tells its groups apart.
 
 :class:`PoolArtist` builds these matplotlib artists once and then only *changes* their
 properties (colour, width, hatch, text) for each new :class:`~pagedlearn.viz.state.PoolState`.
@@ -24,6 +28,7 @@ from pagedlearn.errors import PagedLearnError
 from pagedlearn.viz.pool_labels import (
     MAX_LEGEND_GROUPS,
     draw_legend,
+    group_tags,
     pool_title,
     shorten,
     token_text,
@@ -110,8 +115,10 @@ class PoolArtist:
         band = 0.55 if show_tokens else 0.42  # the label band's share of a cell's height
         self._bar_h = (1 - 2 * PAD) * (1 - band)
         self._bar_w = 1 - 2 * PAD
-        # Static: outlines and block ids never change. Dynamic: bars, "x<refcount>", tokens, title.
+        # Static: outlines and block ids never change. Dynamic: bars, "x<refcount>", KV-cache
+        # group tags, tokens, title.
         self._outlines, self._ids, self._bars, self._refs, self._tokens = [], [], [], [], []
+        self._tags: list = []  # made by the first frame with KV-cache groups (_make_tags)
         band_h = 1 - 2 * PAD - self._bar_h
         h, label = 1 - 2 * PAD, {"va": "center", "fontsize": 10}
         for b in range(num_blocks):
@@ -162,6 +169,12 @@ class PoolArtist:
             bar.set_hatch(SHARED_HATCH if shared else None)
             _set_hatch_color(bar, text_color(color))
             ref.set_text(f"x{blk.refcount}" if shared else "")
+        tags = group_tags(state.kv_groups)  # {} for a one-group model: no tags
+        if tags and not self._tags:
+            self._make_tags()
+        for blk, tag in zip(state.blocks, self._tags, strict=False):
+            # One group per block: the coordinator's groups share the pool, never a block.
+            tag.set_text(tags[state.kv_group_of(blk.owners[0])] if tags and blk.owners else "")
         for blk, text in zip(state.blocks, self._tokens, strict=False):
             text.set_text(
                 shorten(token_text(blk.token_ids, self.tokenizer)) if blk.token_ids else ""
@@ -171,14 +184,26 @@ class PoolArtist:
             self._update_legend(state, {group_of(s) for s in state.tables})
         self.state = state
 
+    def _make_tags(self) -> None:
+        """A KV-cache group tag per cell: a white badge at the bar's right end, legible on any
+        fill. Made once, by the first frame that has groups (a GPT-2 pool never has them)."""
+        badge = {"boxstyle": "round,pad=0.15", "fc": "white", "ec": OUTLINE_COLOR, "lw": 0.6}
+        for b, outline in enumerate(self._outlines):
+            x, y = outline.get_xy()
+            self._tags.append(
+                self.ax.text(x + self._bar_w - 0.06, y + self._bar_h / 2, "", ha="right",
+                             va="center", fontsize=10, bbox=badge, gid=f"group {b}")
+            )  # fmt: skip
+        self.layout_version += 1  # more dynamic artists: a renderer takes its background again
+
     def _update_legend(self, state: PoolState, owning: set) -> None:
         groups = [(g, c) for g, c in state.colors.items() if g in owning]  # in the state's order
-        key = tuple(groups)
+        key = (tuple(groups), state.kv_groups)
         if key == self._legend_key:
             return
         self._legend_key = key
         self.layout_version += 1  # the legend is part of the static layer: redraw that too
-        draw_legend(self.ax, groups, bool(state.requests), self.max_legend_groups)
+        draw_legend(self.ax, groups, bool(state.requests), self.max_legend_groups, state.kv_groups)
 
     # --- what is drawn, per block (for tests and for the inspection buttons) --------------------
     def face_colors(self) -> list[str]:
@@ -195,6 +220,10 @@ class PoolArtist:
         """Each block's hatch pattern, "" when not shared."""
         return [bar.get_hatch() or "" for bar in self._bars]
 
+    def group_tags(self) -> list[str]:
+        """Each block's KV-cache group tag as drawn ("" for a free block, or one group)."""
+        return [t.get_text() for t in self._tags] or [""] * self.num_blocks
+
     def labels(self) -> list[str]:
         """Each block's label: its id, and "x<refcount>" when shared."""
         return [
@@ -210,7 +239,7 @@ class PoolArtist:
     def dynamic_artists(self) -> list:
         """The artists an update may change. A renderer may draw everything else once and
         then redraw only these (blitting) -- until :attr:`layout_version` changes."""
-        return [*self._bars, *self._refs, *self._tokens, self._title]
+        return [*self._bars, *self._refs, *self._tags, *self._tokens, self._title]
 
     def drawn(self) -> list[tuple[str, float, str, str]]:
         """Everything drawn per block: (colour, fill fraction, hatch, label)."""

@@ -8,7 +8,12 @@ this module says it again in words, for a reader who does not yet know the code:
   viz/colors.py), then the fixed looks: several requests in one block, shared (hatched, with
   ``x<refcount>``), free but cached, free. Past ``max_groups`` requests it says "+N more";
 - a block's **tokens** are decoded and escaped like a Python string literal, so that a newline
-  or an odd byte stays visible in a 1-inch cell (the inspector panel shows them the same way).
+  or an odd byte stays visible in a 1-inch cell (the inspector panel shows them the same way);
+- with several **KV-cache groups** (a model with sliding-window layers), each used block carries
+  its group's **tag** -- ``F`` for the full-attention group, ``S`` for the sliding one, numbered
+  when a kind has several groups (``S1``, ``S2``...) -- the legend names each tag's group, and
+  the title adds the blocks each group holds. A block belongs to one group at a time: the
+  coordinator's groups share the pool, never a block.
 
 >>> from pagedlearn import KVCacheManager
 >>> from pagedlearn.viz.state import pool_state
@@ -20,6 +25,8 @@ this module says it again in words, for a reader who does not yet know the code:
 >>> from pagedlearn.models.tokenizer import ByteTokenizer
 >>> token_text([72, 105, 10]), token_text([72, 105, 10], ByteTokenizer())
 ('72 105 10', "'Hi\\\\n'")
+>>> group_tags(("full", "sliding 24")), group_tags(("full", "sliding 8 #0", "sliding 8 #1"))
+({'full': 'F', 'sliding 24': 'S'}, {'full': 'F', 'sliding 8 #0': 'S1', 'sliding 8 #1': 'S2'})
 """
 
 from __future__ import annotations
@@ -46,17 +53,47 @@ FIXED_LOOKS = (
 def pool_title(state: PoolState) -> str:
     used = state.count("used") + state.count("shared")
     step = "" if state.step is None else f", {step_label(state)}"
+    shared = f"{state.count('shared')} shared"
+    if state.kv_groups:  # "10 used (F 6 + S 4; 2 shared)": the tags the cells carry
+        tags = group_tags(state.kv_groups)
+        per = " + ".join(f"{tags[g]} {n}" for g, n in state.group_counts().items())
+        shared = f"{per}; {shared}"
     return (
-        f"KV block pool{step}: {used} used ({state.count('shared')} shared), "
+        f"KV block pool{step}: {used} used ({shared}), "
         f"{state.count('cached')} cached, {state.count('free')} free of {state.num_blocks}"
     )
 
 
+def group_tags(kv_groups: tuple[str, ...]) -> dict[str, str]:
+    """A short tag per KV-cache group, what a block's cell shows: ``F`` (full attention) or ``S``
+    (sliding window; another name: its first letter or digit, else ``G``), numbered from 1 when
+    a kind has several."""
+    letter = {g: "F" if g.startswith("full") else "S" if g.startswith("sliding") else
+              g[:1].upper() if g[:1].isalnum() else "G" for g in kv_groups}  # fmt: skip
+    count = {t: list(letter.values()).count(t) for t in letter.values()}
+    seen: dict[str, int] = {}
+    tags = {}
+    for g in kv_groups:
+        t = letter[g]
+        seen[t] = seen.get(t, 0) + 1
+        tags[g] = t if count[t] == 1 else f"{t}{seen[t]}"
+    return tags
+
+
+def group_entries(kv_groups: tuple[str, ...]) -> list[str]:
+    """The legend's (and the live key's) words for the tags: ``"F: full group"``, ..."""
+    return [f"{tag}: {g} group" for g, tag in group_tags(kv_groups).items()]
+
+
 def legend_handles(
-    groups: list[tuple[Hashable, str]], requests: bool, max_groups: int = MAX_LEGEND_GROUPS
+    groups: list[tuple[Hashable, str]],
+    requests: bool,
+    max_groups: int = MAX_LEGEND_GROUPS,
+    kv_groups: tuple[str, ...] = (),
 ) -> list[Patch]:
     """The legend's entries: one per ``(group, colour)`` in ``groups`` (named "request g" when
-    the groups are requests), at most ``max_groups`` of them, then the fixed looks."""
+    the groups are requests), at most ``max_groups`` of them, then the fixed looks, then what
+    each KV-cache group's tag means (``kv_groups``: none for a one-group model)."""
     name = "request {}" if requests else "{}"
     handles = [Patch(facecolor=c, label=name.format(g)) for g, c in groups]
     if len(handles) > max_groups:
@@ -64,14 +101,20 @@ def legend_handles(
         handles = handles[: max_groups - 1]
         handles.append(Patch(facecolor="none", edgecolor="none", label=f"+{more} more"))
     fixed = [Patch(facecolor=f, edgecolor=e, hatch=h, label=t) for f, e, h, t in FIXED_LOOKS]
-    return handles + fixed
+    # A tag needs no swatch: its words say it all (an empty handle keeps the text aligned).
+    tags = [Patch(facecolor="none", edgecolor="none", label=t) for t in group_entries(kv_groups)]
+    return handles + fixed + tags
 
 
 def draw_legend(
-    ax: Axes, groups: list[tuple[Hashable, str]], requests: bool, max_groups: int
+    ax: Axes,
+    groups: list[tuple[Hashable, str]],
+    requests: bool,
+    max_groups: int,
+    kv_groups: tuple[str, ...] = (),
 ) -> None:
     """Draw (or redraw) the legend of ``groups`` right of the grid on ``ax``."""
-    handles = legend_handles(groups, requests, max_groups)
+    handles = legend_handles(groups, requests, max_groups, kv_groups)
     ax.legend(
         handles=handles,
         loc="upper left",

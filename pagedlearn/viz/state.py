@@ -13,9 +13,10 @@ trace and students see exactly what the live view showed. Read-only: nothing her
 A replayed state also carries its run's request colours (``colors``; see ``viz/colors.py``), so
 every drawing of it colours a request as the replay view does.
 
-The frames themselves -- :class:`PoolState`, :func:`pool_state`, :func:`build_state` -- live one
-layer down in ``viz/frame.py`` (below ``viz/colors.py``, which observes them) and are re-exported
-here, so ``from pagedlearn.viz.state import ...`` names everything a drawing reads.
+The frames themselves -- :class:`PoolState` in ``viz/frame.py``, :func:`pool_state` and
+:func:`build_state` in ``viz/sources.py`` -- live one layer down (below ``viz/colors.py``, which
+observes them) and are re-exported here, so ``from pagedlearn.viz.state import ...`` names
+everything a drawing reads.
 """
 
 from __future__ import annotations
@@ -29,11 +30,14 @@ from pagedlearn.viz.frame import (  # noqa: F401 (re-exported: this module names
     PoolState,
     RequestState,
     aborted,
-    build_state,
     groups_in_order,
+    kv_group_order,
+    step_label,
+)
+from pagedlearn.viz.sources import (  # noqa: F401 (re-exported, as above)
+    build_state,
     pool_state,
     state_of_replay,
-    step_label,
 )
 
 

@@ -5,6 +5,7 @@ Laid out top to bottom, so that it fits a normal notebook column and nothing is 
     [controls: Play / Pause / Step / delay, or play / step slider]
     [the pool picture: a PNG of PoolArtist, no legend -- it would leave a band that may grow]
     [stats line: step, blocks, queues]   [key: several requests / shared / free, cached / free]
+                                         [and, with KV-cache groups: what each block tag means]
     [a message: what to do next, or the error a step raised]
     [request list: the legend, one coloured row each]  [Inspect a block: buttons that wrap]
 
@@ -113,6 +114,9 @@ class PoolView:
         self.state = state
         self.image.value = png
         self.stats.value = stats_html(state)
+        key = key_html(state)  # with KV-cache groups, it also says what the block tags mean
+        if self.key.value != key:
+            self.key.value = key
         self.requests.value = requests_html(state, finished)
         for color, button in zip(self.artist.block_colors, self.block_buttons, strict=False):
             button.style.button_color = color  # the picture's colour, not computed again
