@@ -67,7 +67,7 @@ lab: $(STAMP)
 
 # After editing a chapter's .py (or .ipynb): bring its twin up to date, run it offline and store
 # what it prints and draws in the .ipynb, so that it reads without running (a minute or two for
-# all eight; `make notebooks CHAPTERS="05 07"` runs just those).
+# all nine; `make notebooks CHAPTERS="05 07"` runs just those).
 CHAPTERS ?=
 notebooks: $(STAMP)
 	$(BIN)/jupytext --sync notebooks/[0-9][0-9]_*.py
