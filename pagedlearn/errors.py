@@ -61,3 +61,9 @@ def add_note(exc: BaseException, text: str) -> None:
         exc.add_note(text)
     else:
         exc.__notes__ = [*getattr(exc, "__notes__", ()), text]
+
+
+class ModelLoadError(PagedLearnError, OSError):
+    """A model could not be loaded: not cached and no network, an unknown name, not a causal LM,
+    a bad ``dtype``, ... Also an ``OSError``, as the errors of ``from_pretrained`` are.
+    (``pagedlearn.models.ModelLoadError`` is this class.)"""
