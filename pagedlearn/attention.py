@@ -22,14 +22,15 @@ Plus :func:`write_kv_ref`, the KV write ("reshape_and_cache"): token ``i``'s K/V
 ``slot_mapping[i]`` = ``block_id * block_size + offset``; a negative slot means "skip" (padding);
 and :func:`decode_flops_and_bytes`, the arithmetic that says why decode is memory-bound.
 
-Sliding windows: every function takes ``sliding_window=W`` (``None``: full attention). The query
+Sliding windows: every attention function takes ``sliding_window=W`` (``None``: full attention;
+``write_kv_ref`` and the FLOP count have no window to take). The query
 at position ``p`` then sees only the keys at ``p - W < key_pos <= p``; the mask drops the keys
 before the window, and the paged functions do not even read their blocks, starting at the block
 that holds the first visible key (:func:`~pagedlearn.attention_inputs.first_visible_key`). That
 is what frees memory: a key left behind by the window of a sequence's earliest query will never
 be read again, so the KV-cache manager gives its block back to the pool (its table entry becomes
--1, which nothing here reads), and a sequence holds at most ``ceil(W / block_size) + 1`` blocks
-however long it grows.
+-1, which nothing here reads), and a decoding sequence holds at most ``ceil(W / block_size) + 1``
+blocks however long it grows (a prefill step holds the blocks of every key its queries see).
 
 Shapes use the cache layout of :mod:`pagedlearn.attention_inputs`:
 ``key_cache, value_cache: (num_blocks, block_size, num_kv_heads, head_dim)``. Everything is

@@ -21,8 +21,9 @@ Sliding windows. Every call also takes ``sliding_window`` (vLLM's and transforme
 at positions ``p - W < key_pos <= p``, itself and the ``W - 1`` keys before it (Mistral: every
 layer; Gemma 3, gpt-oss: some layers). Queries only move forward, so a key before the window of
 a sequence's earliest query in a call is never read again, by this call or any later one: the
-KV-cache manager can hand a block of such keys back to the pool, and a sequence then holds at
-most ``ceil(W / block_size) + 1`` blocks however long it grows. The table entry of a freed block
+KV-cache manager can hand a block of such keys back to the pool, and a decoding sequence then
+holds at most ``ceil(W / block_size) + 1`` blocks however long it grows. The table entry of a
+freed block
 is stale (``-1`` in pagedlearn); the value checks accept any value there, and still refuse a bad
 id in a block that some query of the call can see:
 

@@ -19,13 +19,18 @@ copies. It speaks the manager's API, so the scheduler and the engine drive eithe
 Rules worth knowing:
 
 - **All or nothing across groups.** An operation first asks every group how many blocks it
-  needs (``blocks_to_append``, ``blocks_to_swap_in``, ...), raises :class:`OutOfBlocksError` if
-  the sum does not fit, and only then lets each group act: no group is left half done.
+  needs (``blocks_to_append``, ``blocks_to_swap_in``, ...) and checks what each group would
+  refuse (a swap's copy order), raises if the sum does not fit, and only then lets each group
+  act: no group is left half done. A prompt's prefix-cache hits are taken out of the free queue
+  in *every* group before any group allocates, so that one group's new blocks cannot evict the
+  cached blocks another group's hit counts on (the window's freed blocks are the first LRU
+  evicts).
 - **One prefix-cache hit length for all groups.** A prompt's first ``h`` blocks are skipped only
   if *every* group can skip them: the full group needs blocks ``0..h-1`` cached, a sliding group
   only those its window sees (sliding_window_manager.py). The coordinator lowers ``h`` until all
-  groups agree -- a cached prefix can be worth less under a window (older blocks evicted) or
-  more (a hit where the full group's prefix is broken is still no hit).
+  groups agree. So a hybrid model reuses a cached prefix only as far as the group that can
+  reuse the least of it: a window's group loses its hit when the blocks just before ``h`` were
+  evicted, which LRU takes first since the window freed them first.
 - ``block_table(seq_id)``, ``slot_mapping(seq_id)`` and ``append_token``'s return value are
   group 0's (the full-attention group, when there is one): code written for GPT-2 still reads
   something true. ``block_tables`` and ``slots`` give every group's.
@@ -37,6 +42,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Iterable, Sequence
 from typing import Any
 
+from pagedlearn import swap
 from pagedlearn.block_events import group_seq_id
 from pagedlearn.errors import OutOfBlocksError, PagedLearnError
 from pagedlearn.invariants import check_invariants
@@ -44,7 +50,7 @@ from pagedlearn.kv_cache_groups import KVCacheGroupSpec
 from pagedlearn.kv_cache_manager import KVCacheManager
 from pagedlearn.prefix_cache import make_extra_keys
 from pagedlearn.sequence_tables import SequenceTables, check_tokens, id_list
-from pagedlearn.sliding_window_manager import SlidingWindowManager
+from pagedlearn.sliding_window_manager import SlidingWindowManager, check_window
 from pagedlearn.trace import EventLog, StepMarker
 
 
@@ -94,6 +100,9 @@ class KVCacheCoordinator:
         self.allocator, self.cpu_allocator = first.allocator, first.cpu_allocator
         self.prefix_cache, self.trace = first.prefix_cache, first.trace
         self._marker = StepMarker()
+        # str(seq id) -> seq id: the trace names tables "<seq id>|<group>", so 3 and "3" must
+        # not both be in use (their tables would share a name).
+        self._names: dict[str, Hashable] = {}
 
     # --- the sequence lifecycle: each group in turn, after checking that all of them fit -------
     def add_sequence(
@@ -106,19 +115,27 @@ class KVCacheCoordinator:
         """A table in every group for the prompt; returns the prompt tokens whose KV is reused
         (the same in every group). Raises :class:`OutOfBlocksError`, changing nothing, when the
         groups' blocks together do not fit."""
-        self.managers[0]._seqs.check_new(seq_id)
+        self._check_new(seq_id)
         tokens = check_tokens(token_ids)
         hit = self._agreed_hit(tokens, cache_salt, adapter_id)
-        need = 0
+        need, pinned = 0, []
         for m in self.managers:
             extra = make_extra_keys(m.model_id, adapter_id, cache_salt)
             _, hits = m._find_prefix(tokens, extra, hit)
             live = [b for b in hits if b >= 0]
-            revived = sum(1 for b in live if self.allocator.refcount(b) == 0)
-            need += m.blocks_needed(len(tokens)) - len(hits) + revived
+            need += m.blocks_needed(len(tokens)) - len(hits)
+            need += sum(1 for b in live if self.allocator.refcount(b) == 0)  # out of the queue
+            pinned += live
         self._fits(need, f"add_sequence({seq_id!r}) with {len(tokens)} tokens")
-        for m in self.managers:
-            m.add_sequence(seq_id, tokens, cache_salt, adapter_id, max_cached_blocks=hit)
+        # Pin every group's hits before any group allocates: a group's new blocks come from the
+        # free queue, where another group's cached hits may wait (least recently used first).
+        self.allocator.incref(pinned)
+        try:
+            for m in self.managers:
+                m.add_sequence(seq_id, tokens, cache_salt, adapter_id, max_cached_blocks=hit)
+        finally:
+            self.allocator.free(pinned)  # each group holds its own reference now
+        self._names[str(seq_id)] = seq_id
         return hit * self.block_size
 
     def append_token(self, seq_id: Hashable, token_id: int) -> int:
@@ -129,14 +146,16 @@ class KVCacheCoordinator:
 
     def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
         self.managers[0]._seqs.on_gpu(parent_id)
-        self.managers[0]._seqs.check_new(child_id)
+        self._check_new(child_id)
         for m in self.managers:
             m.fork(parent_id, child_id)
+        self._names[str(child_id)] = child_id
 
     def free_sequence(self, seq_id: Hashable) -> None:
         self.managers[0]._seqs.is_swapped(seq_id)  # raises for an unknown id
         for m in self.managers:
             m.free_sequence(seq_id)
+        del self._names[str(seq_id)]
 
     def remove_skipped_blocks(self, seq_id: Hashable, num_computed_tokens: int) -> int:
         """Every sliding group frees what its window left behind; returns the blocks freed."""
@@ -152,10 +171,9 @@ class KVCacheCoordinator:
             raise PagedLearnError("swap_out: swap needs num_cpu_blocks > 0")
         for s in ids:
             self.managers[0]._seqs.on_gpu(s)
-        need = sum(
-            len({b for s in ids for b in m._seqs.gpu[s].live_blocks()}) for m in self.managers
-        )
-        cpu = self.cpu_allocator
+        reads = [{b for s in ids for b in m._seqs.gpu[s].live_blocks()} for m in self.managers]
+        swap.check_copy_order(self.managers[0], "swap_out", reads=set().union(*reads))
+        need, cpu = sum(map(len, reads)), self.cpu_allocator
         if need > cpu.num_free_blocks:
             raise OutOfBlocksError(
                 need, cpu.num_free_blocks, cpu.num_blocks, f"swap_out({ids!r}) to CPU"
@@ -165,6 +183,7 @@ class KVCacheCoordinator:
     def swap_in(self, seq_ids: Iterable[Hashable]) -> list[tuple[int, int]]:
         """Bring a swapped-out group back in every KV-cache group (all or nothing)."""
         ids = id_list(seq_ids, "swap_in")
+        swap.check_copy_order(self.managers[0], "swap_in")
         self._fits(self.blocks_to_swap_in(ids), f"swap_in({ids!r})", count=False)
         return [c for m in self.managers for c in m.swap_in(ids)]
 
@@ -186,6 +205,11 @@ class KVCacheCoordinator:
     def blocks_needed(self, num_tokens: int) -> int:
         """Blocks a new sequence of ``num_tokens`` tokens takes: a table's worth per group."""
         return sum(m.blocks_needed(num_tokens) for m in self.managers)
+
+    def min_blocks_to_run(self, num_tokens: int) -> int:
+        """The fewest blocks a sequence of ``num_tokens`` tokens can run in, summed over the
+        groups (a sliding group's is bounded by its window)."""
+        return sum(m.min_blocks_to_run(num_tokens) for m in self.managers)
 
     def blocks_to_append(self, seq_ids: Iterable[Hashable]) -> int:
         ids = id_list(seq_ids, "blocks_to_append")
@@ -235,8 +259,9 @@ class KVCacheCoordinator:
 
     def stats(self) -> dict[str, Any]:
         """The manager's numbers for the shared pool, counters summed over the groups (prefix
-        hits counted once: every group hits the same tokens), and ``groups``: the GPU blocks
-        each group's tables hold (a block shared by forks counted once)."""
+        hits counted once, group 0's: every group reuses the same agreed prefix), and
+        ``groups``: the GPU blocks each group's tables hold (a block shared by forks counted
+        once)."""
         per = [m.stats() for m in self.managers]
         out = dict(per[0])
         for key in ("cow_copies", "allocation_failures", "swap_out_blocks", "swap_in_blocks"):
@@ -249,7 +274,10 @@ class KVCacheCoordinator:
         return out
 
     def record(self) -> EventLog:
+        """Record every block event, with the groups' names in ``meta["kv_groups"]`` (what a
+        replay needs to read the trace's ``"<seq id>|<group>"`` tables as groups)."""
         meta = {"num_blocks": self.allocator.num_blocks, "block_size": self.block_size}
+        meta["kv_groups"] = [g.name for g in self.groups]
         if self.cpu_allocator is not None:
             meta["num_cpu_blocks"] = self.cpu_allocator.num_blocks
         return EventLog(self.trace, meta=meta)
@@ -258,19 +286,30 @@ class KVCacheCoordinator:
         self._marker.mark(self.trace, self.group_tables(), info)
 
     def check_invariants(self) -> None:
-        """The manager's invariants over the shared pool, every group's tables counted; and
-        every group holds the same sequences, with the same tokens."""
-        merged = SequenceTables()
+        """The manager's invariants over the shared pool, every group's tables counted; every
+        group holds the same sequences (on the same side), with the same tokens; no block is in
+        two groups' tables; only a sliding group's tables have null entries."""
+        merged, first, owner = SequenceTables(), self.managers[0]._seqs, {}
         for g, m in zip(self.groups, self.managers, strict=True):
             for side in ("gpu", "cpu"):
                 for s, t in getattr(m._seqs, side).items():
                     getattr(merged, side)[group_seq_id(s, g.name)] = t
                     merged.extra_keys[group_seq_id(s, g.name)] = m._seqs.extra_keys[s]
-            if m._seqs.gpu.keys() != self.managers[0]._seqs.gpu.keys() or any(
-                t.token_ids != self.managers[0]._seqs.table(s).token_ids
-                for s, t in m._seqs.all().items()
+            same = m._seqs.gpu.keys() == first.gpu.keys() and m._seqs.cpu.keys() == first.cpu.keys()
+            if not same or any(
+                t.token_ids != first.table(s).token_ids for s, t in m._seqs.all().items()
             ):
                 raise PagedLearnError(f"invariant violated: group {g.name!r} holds other sequences")
+            if g.is_sliding:
+                check_window(m._seqs.gpu, g.sliding_window, self.block_size)
+            for s, t in m._seqs.gpu.items():
+                if t.num_null_blocks and not g.is_sliding:
+                    raise PagedLearnError(f"invariant violated: {s!r} has a null entry in {g.name}")
+                for b in t.live_blocks():
+                    if owner.setdefault(b, g.name) != g.name:
+                        raise PagedLearnError(
+                            f"invariant violated: block {b} is in groups {owner[b]} and {g.name}"
+                        )
         check_invariants(
             merged, self.allocator, self.cpu_allocator, self.prefix_cache, self.block_size
         )
@@ -288,6 +327,15 @@ class KVCacheCoordinator:
                 hit = len(m._find_prefix(tokens, extra, hit)[1])
             if hit == agreed:
                 return hit
+
+    def _check_new(self, seq_id: Hashable) -> None:
+        self.managers[0]._seqs.check_new(seq_id)
+        if str(seq_id) in self._names:
+            other = self._names[str(seq_id)]
+            raise PagedLearnError(
+                f"sequence id {seq_id!r} would be traced as {other!r} is (the trace names a "
+                f"table {group_seq_id(seq_id, self.groups[0].name)!r}): use another id"
+            )
 
     def _fits(self, need: int, what: str, count: bool = True) -> None:
         a = self.allocator

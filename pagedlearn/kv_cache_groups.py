@@ -65,8 +65,8 @@ def sliding_blocks_held(num_tokens: int, window: int, block_size: int) -> int:
     decodes: the blocks of its last ``W`` positions, ``num_tokens - W .. num_tokens - 1`` (the
     newest token's query reads them all). Older blocks were freed at the start of the step
     (``remove_skipped_blocks``). ``W`` positions span at most ``ceil(W / block_size) + 1``
-    blocks, however long the sequence. (A prompt's prefill holds all its blocks for one step:
-    its first queries read them.)
+    blocks, however long the sequence. (A prefill step holds more: the blocks of every key its
+    queries see, the whole prompt when it runs in one chunk.)
 
     >>> [sliding_blocks_held(n, 24, 16) for n in (1, 16, 17, 40, 41, 4096)]
     [1, 1, 2, 2, 2, 2]

@@ -239,7 +239,7 @@ class KVCacheManager:
         again; returns how many (vLLM's name). With full attention every query reads every
         earlier token, so nothing is ever skipped: 0. A sliding-window group frees the blocks
         its window has left behind (sliding_window_manager.py); the scheduler calls this for
-        every sequence before it plans the sequence's next tokens."""
+        every running sequence before it plans the sequence's next tokens."""
         self._seqs.on_gpu(seq_id)  # an unknown or swapped-out id raises, as elsewhere
         return 0
 
@@ -273,6 +273,13 @@ class KVCacheManager:
     def slots(self, seq_id: Hashable, start: int = 0) -> list[list[int]]:
         """The slots of token positions ``start..`` in every KV-cache group (one here)."""
         return [self._seqs.on_gpu(seq_id).live_slots(start)]
+
+    def min_blocks_to_run(self, num_tokens: int) -> int:
+        """The fewest blocks a sequence of ``num_tokens`` tokens can run in, its prompt
+        prefilled in chunks: all of them here (every query reads every earlier token); a
+        sliding-window group needs only its window's. A scheduler asks before it gives up on
+        a request that grew past the pool."""
+        return self.blocks_needed(num_tokens)
 
     def blocks_needed(self, num_tokens: int) -> int:
         """Blocks a new sequence of ``num_tokens`` tokens takes: ceil(num_tokens / block_size)

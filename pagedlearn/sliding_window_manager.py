@@ -18,8 +18,9 @@ changes three things (vLLM: ``SlidingWindowManager`` in
    still see: those holding positions ``h * block_size - W + 1 .. h * block_size - 1``. The
    older ones may have been evicted long ago; they become null entries. So the longest hit is
    found from the right, not from the left, and it need not be the longest cached *prefix*.
-3. **Nothing else.** Blocks are still allocated one per ``block_size`` tokens, a prompt still
-   takes blocks for all its tokens (its prefill's queries read them all), forks share blocks
+3. **Nothing else.** Blocks are still allocated one per ``block_size`` tokens, a prefill chunk
+   takes blocks for all its tokens (its queries read them, and the window before the first),
+   so a prompt prefilled in one step holds all its blocks for that step; forks share blocks
    (the null entries too: ``fork`` and ``free_sequence`` below skip them, as swap.py does)
    and copy the last one on write, swapping moves the live blocks and keeps the nulls.
 
@@ -80,6 +81,16 @@ class SlidingWindowManager(KVCacheManager):
         self._counters["window_freed_blocks"] += len(blocks)
         return len(blocks)
 
+    def min_blocks_to_run(self, num_tokens: int) -> int:
+        """A prompt prefilled a token at a time holds only its window's blocks, at most
+        ``ceil(W / block_size) + 1`` (:meth:`KVCacheManager.min_blocks_to_run`)."""
+        return min(self.blocks_needed(num_tokens), -(-self.sliding_window // self.block_size) + 1)
+
+    def check_invariants(self) -> None:
+        """The manager's invariants, and: no table has freed a block its next query reads."""
+        super().check_invariants()
+        check_window(self._seqs.gpu, self.sliding_window, self.block_size)
+
     def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
         """:meth:`KVCacheManager.fork`, sharing the live blocks (null entries stay null)."""
         parent = self._seqs.on_gpu(parent_id)
@@ -123,3 +134,16 @@ class SlidingWindowManager(KVCacheManager):
             if run[h - 1] >= h - first:
                 return hashes, [NULL_BLOCK] * first + cached[first:h]
         return hashes, []
+
+
+def check_window(tables: dict, window: int, block_size: int) -> None:
+    """Raise :class:`PagedLearnError` if a table's null head reaches a block that the query at
+    its next position (``num_tokens``) still sees: only blocks whose last position is at most
+    ``num_tokens - W`` may have been freed."""
+    for seq_id, t in tables.items():
+        allowed = max(0, t.num_tokens - window + 1) // block_size
+        if t.num_null_blocks > allowed:
+            raise PagedLearnError(
+                f"invariant violated: {seq_id!r} freed {t.num_null_blocks} blocks, but its next "
+                f"query (position {t.num_tokens}) still reads block {allowed}"
+            )

@@ -81,7 +81,7 @@ def swap_out(kv: Manager, seq_ids: Iterable[Hashable]) -> list[tuple[int, int]]:
     ids = _group(kv, seq_ids, swapped=False, what="swap_out")
     tables = [kv._seqs.gpu[s] for s in ids]
     refs = Counter(b for t in tables for b in t.live_blocks())  # GPU block -> group references
-    _check_copy_order(kv, "swap_out", reads=refs.keys())
+    check_copy_order(kv, "swap_out", reads=refs.keys())
     cpu = kv.cpu_allocator
     if len(refs) > cpu.num_free_blocks:
         raise OutOfBlocksError(
@@ -110,7 +110,7 @@ def swap_in(kv: Manager, seq_ids: Iterable[Hashable]) -> list[tuple[int, int]]:
     ``blocks_to_swap_in`` first; a failed swap is not counted in ``allocation_failures``).
     """
     ids = _group(kv, seq_ids, swapped=True, what="swap_in")
-    _check_copy_order(kv, "swap_in")
+    check_copy_order(kv, "swap_in")
     tables = [kv._seqs.cpu[s] for s in ids]
     refs = Counter(b for t in tables for b in t.live_blocks())  # CPU block -> group references
     a = kv.allocator
@@ -161,7 +161,7 @@ def _group(kv: Manager, seq_ids: Iterable[Hashable], swapped: bool, what: str) -
     return ids
 
 
-def _check_copy_order(kv: Manager, what: str, reads: Iterable[int] | None = None) -> None:
+def check_copy_order(kv: Manager, what: str, reads: Iterable[int] | None = None) -> None:
     """Refuse a swap whose copies, run before the pending copy-on-write ones, would move the
     wrong KV: ``swap_out`` reading a block that waits for its copy, or ``swap_in`` while a
     pending copy's block is free (swap_in could take it; the copy would then read or

@@ -126,6 +126,9 @@ def _check_meta(meta) -> None:
         check_int(meta[key], key, 1, cap)
     if "num_cpu_blocks" in meta:
         check_int(meta["num_cpu_blocks"], "num_cpu_blocks", 0, "MAX_NUM_BLOCKS")
+    if "kv_groups" in meta:  # a hybrid model's KV-cache groups (kv_cache_coordinator.py)
+        for i, name in enumerate(check_list(meta["kv_groups"], "kv_groups")):
+            check_string(name, f"kv_groups[{i}]")
 
 
 def _event_fields(d, expected: int | None, meta: dict) -> tuple:

@@ -142,3 +142,40 @@ def test_a_custom_manager_is_refused_for_a_hybrid_model():
 
     with pytest.raises(PagedLearnError, match="full-attention models only"):
         make_llm("tiny-mistral", kv_cache_manager=KVCacheManager)
+
+
+def test_a_forward_that_skips_paged_attention_in_a_layer_is_refused():
+    """A layer that keeps its own state (a recurrent layer, say) would read no paged KV: the
+    runner counts the attention calls of every forward, one per layer."""
+    from pagedlearn import PagedLearnError
+
+    llm = make_llm("tiny-gpt2")
+    attn = llm.engine.model.transformer.h[1].attn
+    attn.forward = lambda hidden_states, *a, **k: (hidden_states, None)
+    with pytest.raises(PagedLearnError, match="called paged attention 1 times for its 2 layers"):
+        llm.generate([list(b"hi")], greedy(2), use_tqdm=False)
+
+
+def test_a_sliding_request_preempted_after_it_grew_past_the_pool_comes_back():
+    """tiny-mistral on 16 blocks of 4 with chunks of 8 tokens holds at most 7 blocks while it
+    decodes; a recompute preemption (here: after a forward that raised) must not fail it as
+    'can never fit' although its 75 tokens would take 19 blocks at once (found in review)."""
+    llm = make_llm("tiny-mistral", num_blocks=16, max_num_batched_tokens=8, max_num_seqs=2)
+    engine = llm.engine
+    engine.add_request("r", LONG[0][:40], greedy(80))
+    real, steps, out = engine.runner.execute, 0, None
+
+    def fail(inputs):
+        raise RuntimeError("a transient fault")
+
+    while engine.has_unfinished_requests():
+        steps += 1
+        engine.runner.execute = fail if steps == 40 else real
+        try:
+            for o in engine.step():
+                out = o if o.finished else out
+        except RuntimeError:
+            pass
+    assert out.error is None and len(out.outputs[0].token_ids) == 80
+    want = hf_greedy("tiny-mistral", LONG[0][:40], 80)  # stops at EOS; ignore_eos goes on
+    assert out.outputs[0].token_ids[: len(want)] == want

@@ -295,3 +295,34 @@ def test_reference_configs_build_on_the_meta_device_quickly():
     assert windows["mistralai/Mistral-7B-v0.1"] == [4096] * 32
     for name, w, n in (("google/gemma-3-1b-it", 512, 26), ("google/gemma-3-4b-it", 1024, 34)):
         assert windows[name] == [None if (i + 1) % 6 == 0 else w for i in range(n)]
+
+
+def test_layer_kinds_set_on_the_instance_only_are_read_and_refused():
+    """Falcon-H1, Nemotron-H and RecurrentGemma set layer_types in __init__ only: their
+    'hybrid', 'linear_attention', 'moe' layers must be refused, not read as full attention
+    (found in review: they generated other tokens than transformers, silently)."""
+    import transformers
+
+    for name in ("FalconH1Config", "NemotronHConfig", "RecurrentGemmaConfig"):
+        with pytest.raises(PagedLearnError, match="pagedlearn's paged attention implements only"):
+            layer_windows(getattr(transformers, name)())
+
+
+def test_a_stray_sliding_window_in_a_config_that_does_not_declare_it_changes_nothing():
+    from transformers import LlamaConfig
+
+    # Llama's attention passes no window and masks causally: a stray key must not slide.
+    assert layer_windows(LlamaConfig(num_hidden_layers=2, sliding_window=8)) == [None, None]
+
+
+def test_a_model_without_attention_heads_is_refused_by_name():
+    import transformers
+
+    from pagedlearn import LLM
+    from pagedlearn.models import ByteTokenizer, load
+
+    config = transformers.RwkvConfig(vocab_size=258, hidden_size=32, num_hidden_layers=2,
+                                     attention_hidden_size=32, intermediate_size=64)  # fmt: skip
+    model = load(transformers.RwkvForCausalLM(config), tokenizer=ByteTokenizer())
+    with pytest.raises(PagedLearnError, match="pagedlearn pages the keys and values"):
+        LLM(model, num_blocks=8, block_size=4, verbose=False)

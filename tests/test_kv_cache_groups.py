@@ -181,3 +181,72 @@ def test_random_operations_keep_every_invariant_and_the_replay_agrees():
     on_gpu = {k: t.block_ids for k, t in kv.group_tables().items() if k.split("|")[0] in live}
     assert replay.tables == on_gpu
     assert replay.refcounts == [kv.allocator.refcount(b) for b in range(48)]
+
+
+def test_every_groups_hit_is_pinned_before_any_group_allocates():
+    """Group 0's new blocks must not evict the cached blocks group 1's agreed hit counts on
+    (found in review: the sliding group then reused fewer tokens than reported)."""
+    kv = KVCacheCoordinator(group_layers([4, None]), 6, 4, enable_prefix_caching=True)
+    a, d = list(range(100, 108)), list(range(200, 204))
+    kv.add_sequence("A", a)
+    kv.add_sequence("D", d)
+    kv.free_sequence("A")
+    kv.free_sequence("D")
+    assert kv.cached_prefix_tokens([*a, 1]) == 8
+    assert kv.add_sequence("B", [*a, 1]) == 8
+    assert [m._counters["prefix_hit_tokens"] for m in kv.managers] == [8, 8]
+    kv.check_invariants()
+
+
+def test_an_add_that_fits_in_total_never_stops_half_way():
+    kv = KVCacheCoordinator(group_layers([4, None]), 8, 4, enable_prefix_caching=True)
+    a = list(range(100, 108))
+    kv.add_sequence("A", a)
+    kv.add_sequence("E", list(range(300, 308)))
+    kv.free_sequence("A")
+    kv.remove_skipped_blocks("E", 8)
+    assert kv.add_sequence("B", [*a, 1]) == 8  # the total fits: every group adds it
+    assert all("B" in m._seqs.gpu for m in kv.managers)
+    kv.check_invariants()
+
+
+def test_a_swap_that_one_group_refuses_changes_no_group():
+    kv = KVCacheCoordinator(group_layers([None, 5]), 12, 2, num_cpu_blocks=8)
+    kv.add_sequence("a", [1, 2, 3])
+    kv.fork("a", "b")
+    kv.append_token("b", 9)  # copy-on-write in both groups, not yet applied
+    kv.free_sequence("b")  # its copies' destinations go back to the pool...
+    kv.add_sequence("c", list(range(8)))  # ...and to c, in the sliding group
+    with pytest.raises(PagedLearnError, match="pending copy-on-write"):
+        kv.swap_out(["c"])
+    assert not any(m.is_swapped("c") for m in kv.managers)
+    kv.check_invariants()
+
+
+def test_ids_that_the_trace_would_confuse_are_refused():
+    kv = KVCacheCoordinator(group_layers([None, 4]), 16, 4)
+    kv.add_sequence(3, [1, 2])
+    with pytest.raises(PagedLearnError, match="would be traced as"):
+        kv.add_sequence("3", [1, 2])
+    with pytest.raises(PagedLearnError, match="would be traced as"):
+        kv.fork(3, "3")
+    kv.free_sequence(3)
+    kv.add_sequence("3", [1, 2])  # free again
+    kv.check_invariants()
+
+
+def test_the_checker_catches_a_window_freed_too_far():
+    kv = KVCacheCoordinator(group_layers([None, 8]), 16, 4)
+    kv.add_sequence("a", list(range(14)))
+    kv.managers[1]._seqs.gpu["a"].block_ids[:3] = [-1, -1, -1]  # the query at 14 reads block 1
+    with pytest.raises(PagedLearnError, match="still reads block 1"):
+        kv.check_invariants()
+
+
+def test_a_sliding_request_that_grew_past_the_pool_can_come_back_in_chunks():
+    """min_blocks_to_run: a sliding group needs only its window's blocks, so a request that
+    grew long is not failed as "can never fit" after a recompute preemption."""
+    sliding = SlidingWindowManager(16, 4, sliding_window=24)
+    assert sliding.min_blocks_to_run(1000) == 7 and sliding.min_blocks_to_run(9) == 3
+    kv = KVCacheCoordinator(group_layers([None, 24]), 16, 4)
+    assert kv.min_blocks_to_run(1000) == 250 + 7

@@ -266,3 +266,18 @@ def _stats() -> dict:
     keys = ("num_running", "num_waiting", "num_swapped", "preemptions_recompute",
             "preemptions_swap", "cow_copies", "prefix_hit_rate")  # fmt: skip
     return dict.fromkeys(keys, 0)
+
+
+def test_groups_are_never_guessed_from_the_ids():
+    """A one-group manager whose ids hold a '|' draws as one group (found in review), and a
+    coordinator's recording names its groups in its meta for the replay."""
+    kv = KVCacheManager(8, BS)
+    kv.add_sequence("x|1", [1, 2])
+    kv.add_sequence("x|2", [3, 4])
+    state = pool_state(kv)
+    assert state.kv_groups == () and state.seq_of("x|1") == "x|1"
+    assert "per group" not in stats_html(state)
+    _, log = _session()
+    assert log.meta["kv_groups"] == [FULL, SLIDING]
+    assert EventLog.from_json(log.to_json()).meta["kv_groups"] == [FULL, SLIDING]
+    assert replay_states(log)[-1][1].kv_groups == (FULL, SLIDING)

@@ -177,7 +177,7 @@ class Scheduler:
         kv = self.kv
         while self.waiting:
             req = self.waiting[0]
-            total = sum(kv.blocks_needed(len(s.token_ids)) for s in req.seqs)
+            total = self._blocks_to_start(req)
             if total > kv.allocator.num_blocks:  # it grew while running, then was preempted
                 n, pool = sum(len(s.token_ids) for s in req.seqs), kv.allocator.num_blocks
                 why = f"needs {total} blocks for its {n} tokens, more than the whole pool of {pool}"
@@ -266,6 +266,16 @@ class Scheduler:
             return len(tokens)
         left = self.max_num_batched_tokens - out.num_batched_tokens
         return min(len(tokens), self.kv.cached_prefix_tokens(tokens) + left)
+
+    def _blocks_to_start(self, req: Request) -> int:
+        """The fewest blocks a waiting request needs to make progress: every sequence's blocks,
+        or with chunked prefill (one sequence) its first chunk's -- and, where a sliding window
+        bounds what the sequence holds, no more than that (``min_blocks_to_run``)."""
+        kv = self.kv
+        if not self.chunked_prefill or len(req.seqs) > 1:
+            return sum(kv.blocks_needed(len(s.token_ids)) for s in req.seqs)
+        n = len(req.seqs[0].token_ids)
+        return max(kv.min_blocks_to_run(n), kv.blocks_needed(min(n, self.max_num_batched_tokens)))
 
     def _pending(self, req: Request) -> int:
         """Prompt tokens a running request has yet to prefill in chunks (0: it is decoding)."""

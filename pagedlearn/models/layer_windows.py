@@ -23,9 +23,13 @@ and the ``sliding_window=`` each ``modeling_<name>.py`` passes to its attention 
   does the opposite: even layers *below* ``max_window_layers``.) transformers turns both into
   ``layer_types`` in the config's ``__post_init__``, so they need no rule of their own here.
 
-Only a config *class* that declares ``layer_types`` is read that way: ``MistralConfig`` does not,
-and Mistral's attention takes ``config.sliding_window`` in every layer even when a config.json
-carries ``layer_types`` (transformers warns and points to Ministral).
+``layer_types`` is read wherever a config carries it (some classes set it in ``__init__`` only:
+Falcon-H1, Nemotron-H, RecurrentGemma, whose "hybrid", "linear_attention" or "moe" layers are then
+refused), except for Mistral and Mixtral: their attention takes ``config.sliding_window`` in every
+layer even when a config.json carries ``layer_types`` (transformers warns and points to
+Ministral). And ``sliding_window`` counts only on a config class that declares it: a stray
+``sliding_window`` key in a Llama config.json changes nothing in Llama's attention, so it must
+change nothing here either.
 
 What pagedlearn's paged attention does not implement is refused by :func:`check_supported`
 rather than run silently wrong: attention sinks (gpt-oss: a learned per-head logit in every
@@ -48,6 +52,11 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
 FULL, SLIDING = "full_attention", "sliding_attention"
+# Model types whose attention ignores ``layer_types`` (one window for every layer).
+IGNORES_LAYER_TYPES = frozenset({"mistral", "mixtral"})
+# What transformers' DynamicCache builds for a layer that only attends (full or sliding); any
+# other kind (linear attention, Mamba state, ...) holds something a paged KV cache does not.
+ATTENTION_CACHE_LAYERS = frozenset({"DynamicLayer", "DynamicSlidingWindowLayer"})
 
 # Model types whose attention adds a learned "sink" logit to every softmax: their modeling file
 # passes ``s_aux=`` to the attention function (transformers 5.24). No config field says so.
@@ -66,8 +75,10 @@ def layer_windows(config: PretrainedConfig) -> list[int | None]:
     check_supported(config)
     what = f"model type {config.model_type!r}"
     num_layers = config.num_hidden_layers
-    window = getattr(config, "sliding_window", None)
-    types = getattr(config, "layer_types", None) if hasattr(type(config), "layer_types") else None
+    window = (
+        getattr(config, "sliding_window", None) if _declares(config, "sliding_window") else None
+    )
+    types = _layer_types(config)
     if types is None:  # one kind for every layer
         return [_checked(window, what)] * num_layers if window is not None else [None] * num_layers
     if len(types) != num_layers:
@@ -103,7 +114,7 @@ def check_supported(config: PretrainedConfig) -> None:
             f"{kind} has use_bidirectional_attention=True: its tokens also attend to later tokens, "
             "so it is not a causal decoder and has no KV cache to page"
         )
-    types = getattr(config, "layer_types", None) if hasattr(type(config), "layer_types") else None
+    types = _layer_types(config)
     other = sorted({t for t in types or () if t not in (FULL, SLIDING)})
     if other:
         layers = [i for i, t in enumerate(types) if t not in (FULL, SLIDING)]
@@ -112,6 +123,37 @@ def check_supported(config: PretrainedConfig) -> None:
             f"{kind} has layers of kind {', '.join(map(repr, other))} (layers {shown}); "
             f"pagedlearn's paged attention implements only {FULL!r} and {SLIDING!r}"
         )
+
+    caches = _cache_layer_kinds(config)
+    if caches - ATTENTION_CACHE_LAYERS:
+        raise PagedLearnError(
+            f"{kind} keeps {', '.join(sorted(caches - ATTENTION_CACHE_LAYERS))} state in its "
+            "cache (transformers' DynamicCache): layers that are not attention (linear "
+            "attention, Mamba, recurrent), which pagedlearn's paged attention does not implement"
+        )
+
+
+def _declares(config: PretrainedConfig, name: str) -> bool:
+    """Whether the config's class declares the field (a stray key in a config.json does not)."""
+    return hasattr(type(config), name)
+
+
+def _layer_types(config: PretrainedConfig) -> list[str] | None:
+    """The config's per-layer kinds, or None where the model's attention ignores them."""
+    if config.model_type in IGNORES_LAYER_TYPES:
+        return None
+    return getattr(config, "layer_types", None)
+
+
+def _cache_layer_kinds(config: PretrainedConfig) -> set[str]:
+    """The kinds of cache layer transformers' DynamicCache builds for this config (empty if it
+    cannot build one from a config alone)."""
+    try:
+        from transformers import DynamicCache
+
+        return {type(layer).__name__ for layer in DynamicCache(config=config).layers}
+    except Exception:  # an old transformers, or a config it cannot read: nothing to say
+        return set()
 
 
 def _checked(window, where: str) -> int:

@@ -59,6 +59,7 @@ class PagedAttentionMetadata:
     cu_seqlens_q: torch.Tensor  # (S + 1,) int32: prefix sums of the new tokens per sequence
     max_query_len: int  # the most new tokens any sequence brings (1 for a pure decode step)
     backend: str = "torch"  # "torch": pagedlearn.attention references; "triton": kernels/
+    calls: int = 0  # attention calls in this forward: one per layer, or the model is not ours
 
     @property
     def decode_only(self) -> bool:
@@ -118,6 +119,7 @@ def paged_attention_forward(
     if query.shape[0] != 1:
         raise PagedLearnError(f"paged attention expects one packed row, got batch {query.shape[0]}")
     layer = module.layer_idx
+    meta.calls += 1
     write_kv, decode, prefill = _ops(meta.backend)
     q = query[0].transpose(0, 1)  # (T, num_heads, head_dim), a strided view: no copy
     k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)  # (T, num_kv_heads, head_dim)

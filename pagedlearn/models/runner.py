@@ -61,7 +61,13 @@ def kv_cache_spec(model, dtype: torch.dtype | None = None) -> KVCacheSpec:
 
     config = model.config
     check_supported(config)
-    layers, kv_heads, head_dim = KV_SHAPES.get(config.model_type, _default_kv_shape)(config)
+    try:
+        layers, kv_heads, head_dim = KV_SHAPES.get(config.model_type, _default_kv_shape)(config)
+    except AttributeError as e:  # no attention heads: a recurrent model (RWKV, Mamba), say
+        raise PagedLearnError(
+            f"cannot tell the KV-cache shape of model type {config.model_type!r} from its config "
+            f"({e}): pagedlearn pages the keys and values of attention layers"
+        ) from e
     windows = tuple(layer_windows(config))
     hybrid = any(w is not None for w in windows)
     return KVCacheSpec(
@@ -141,4 +147,11 @@ class ModelRunner:
             logits_to_keep=last,
             paged_metadata=meta,
         )
+        if meta.calls != self.kv_cache.spec.num_layers:  # a layer kept its own state instead
+            raise PagedLearnError(
+                f"{type(self.model).__name__}'s forward called paged attention {meta.calls} "
+                f"times for its {self.kv_cache.spec.num_layers} layers: some of its layers do not "
+                "attend through transformers' attention interface (recurrent or state-space "
+                "layers, say), so pagedlearn's KV cache cannot serve it"
+            )
         return out.logits[0].float()  # (S, vocab)

@@ -17,8 +17,9 @@ sliding-window layers) keeps a block table per sequence *per group*, over one po
 such a model names each table as the trace does, ``"<seq id>|<group>"`` (block_events.py), so
 that a live frame and its replay hold the same keys: ``tables["a|sliding 24"]``. A sliding
 group's table starts with null entries (-1, ``NULL_BLOCK``): blocks its window left behind,
-back in the pool; no block is owned through them. :attr:`PoolState.kv_groups` names the groups
-(empty for a one-group model such as GPT-2), :meth:`PoolState.kv_group_of` and
+back in the pool; no block is owned through them. :attr:`PoolState.kv_groups` names the groups,
+as the source says them (a coordinator's ``groups``, a recording's ``meta["kv_groups"]``), never
+guessed from the ids; empty for a one-group model such as GPT-2. :meth:`PoolState.kv_group_of` and
 :meth:`PoolState.seq_of` split a key, and :meth:`PoolState.group_of` -- the *request*, which
 decides the colour -- is the same for a sequence's tables in every group.
 """
@@ -28,7 +29,6 @@ from __future__ import annotations
 import re
 from collections.abc import Hashable
 from dataclasses import dataclass, field
-from functools import cached_property
 from typing import Any
 
 from pagedlearn.block_events import group_seq_id, split_group_seq_id
@@ -86,6 +86,9 @@ class PoolState:
     # (viz/colors.py); empty for a state read from a live manager. Not part of equality: two
     # states of the same pool are equal whoever coloured them.
     colors: dict[Hashable, str] = field(default_factory=dict, compare=False)
+    # The KV-cache groups, in the coordinator's order, when the source has several (its
+    # tables are then named "<seq>|<group>"); () for a one-group model.
+    kv_groups: tuple[str, ...] = ()
 
     @property
     def num_blocks(self) -> int:
@@ -108,18 +111,6 @@ class PoolState:
             if seq_id in r.seqs:
                 return r.request_id
         return _request_of(seq_id)
-
-    @cached_property
-    def kv_groups(self) -> tuple[str, ...]:
-        """The KV-cache groups this frame's tables belong to, in the coordinator's order (full
-        attention first, then sliding windows by size); ``()`` for a one-group model. Read from
-        the tables' names, so a live frame and its replay agree; a frame with no tables has
-        none. (A one-group manager whose every sequence id holds a ``|`` reads as grouped.)"""
-        names = [*self.tables, *self.swapped]
-        groups = [split_group_seq_id(s)[1] for s in names]
-        if not names or None in groups:
-            return ()
-        return tuple(sorted(set(groups), key=kv_group_order))
 
     def kv_group_of(self, seq_id: Hashable) -> str | None:
         """The KV-cache group a table's name says (``"a|full"`` -> ``"full"``); None without

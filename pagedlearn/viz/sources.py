@@ -30,6 +30,7 @@ def build_state(
     cached: dict[int, str],
     cached_tokens: dict[int, list[int]],
     info: dict[str, Any] | None = None,
+    kv_groups: tuple[str, ...] = (),
 ) -> PoolState:
     """The one constructor both sources go through, so live and replay cannot drift apart."""
     owners: list[list[Hashable]] = [[] for _ in range(num_blocks)]
@@ -84,6 +85,7 @@ def build_state(
         tuple(requests),
         info.get("step"),
         dict(info.get("stats", {})),
+        kv_groups=tuple(kv_groups),
     )
 
 
@@ -123,6 +125,7 @@ def pool_state(source, info: dict[str, Any] | None = None) -> PoolState:
         cached,
         cached_tokens,
         info,
+        tuple(g.name for g in getattr(kv, "groups", ())) if hasattr(kv, "group_tables") else (),
     )
 
 
@@ -137,8 +140,9 @@ def _group_tables(kv) -> tuple[dict, dict, dict]:
     return tables, tokens, swapped
 
 
-def state_of_replay(replay, block_size: int) -> PoolState:
-    """A :class:`~pagedlearn.trace.PoolReplay` (as of a ``step`` event) as a ``PoolState``."""
+def state_of_replay(replay, block_size: int, kv_groups: tuple[str, ...] = ()) -> PoolState:
+    """A :class:`~pagedlearn.trace.PoolReplay` (as of a ``step`` event) as a ``PoolState``;
+    ``kv_groups``: the KV-cache groups the recording names (``meta["kv_groups"]``), if any."""
     return build_state(
         len(replay.refcounts),
         block_size,
@@ -148,4 +152,5 @@ def state_of_replay(replay, block_size: int) -> PoolState:
         replay.cached,
         replay.cached_tokens,
         replay.step_info,
+        kv_groups,
     )

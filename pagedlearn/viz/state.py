@@ -65,6 +65,7 @@ def replay_states(log) -> list[tuple[int, PoolState]]:
     for e in log.events:
         replay.apply(e)
         if e.kind == "step":
-            state = palette.paint(state_of_replay(replay, log.meta["block_size"]))
+            groups = tuple(log.meta.get("kv_groups", ()))  # a coordinator's recording names them
+            state = palette.paint(state_of_replay(replay, log.meta["block_size"], groups))
             frames.append((e.index, state))
     return frames
