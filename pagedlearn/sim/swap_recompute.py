@@ -91,7 +91,8 @@ class Setup:
         bs = self.cache.block_size
         table = list(range(self.num_blocks))
         slots = [table[t // bs] * bs + t % bs for t in range(len(self.tokens))]
-        return self.runner.execute([SequenceInput(self.tokens, 0, slots, table)])
+        # One KV-cache group (GPT-2's shape): one slot list and one table.
+        return self.runner.execute([SequenceInput(self.tokens, 0, [slots], [table])])
 
 
 def prepare(loaded, block_size: int, num_tokens: int, device="cpu", seed: int = 0) -> Setup:
