@@ -8,8 +8,9 @@
 #   3. the attention benchmark table (add --quick for fewer rows, --no-flex to skip FlexAttention),
 #      the sliding-window decode timing (W = 4k vs none at 32k), and the engine benchmark on
 #      GPT-2 small's shape (random weights, no download needed);
-#   4. chapters 05, 06 and 09 run top to bottom on the GPU as plain scripts (their `# %%` cells
-#      are comments to Python; they need ipywidgets and matplotlib, else they are skipped).
+#   4. chapters 05, 06 and 09 run top to bottom on the GPU as IPython scripts (their `# %%` cells
+#      are comments; `display` is IPython's; they need IPython, ipywidgets and matplotlib, else
+#      they are skipped).
 # Usage: bash benchmarks/gpu_check.sh [attention bench options]     Exit status: the tests'.
 set -u
 cd "$(dirname "$0")/.."
@@ -37,7 +38,7 @@ if $PY -c "import ipywidgets, matplotlib, IPython" 2>/dev/null; then
     for nb in 05_paged_attention_kernel 06_live_gpt2_opt 09_hybrid_models; do
         echo "== chapter $nb on the GPU"
         (cd notebooks && MPLBACKEND=Agg PAGEDLEARN_OFFLINE=1 HF_HUB_OFFLINE=1 \
-            $PY "$nb.py" > /dev/null) && echo "   ran to the end" || status=1
+            $PY -m IPython --no-banner "$nb.py" > /dev/null) && echo "   ran to the end" || status=1
     done
 else
     echo "== chapters 05, 06, 09 skipped: ipywidgets, matplotlib or IPython is not installed here"
