@@ -4,7 +4,10 @@ A mixed batch arrives at once: two chats sharing a system prompt (the second hit
 cache), a short and a long prompt, one request sampling ``n=3`` continuations (forked blocks,
 copy-on-write), one beam search (forked beams; losers free their blocks), and one long request
 that is cancelled mid-way (its blocks return at once). The pool is sized so that not everything
-fits, so requests are preempted and come back (recompute or swap). The demo prints what happens
+fits, so requests are preempted and come back (recompute or swap) -- with GPT-2 or OPT; a model
+with sliding-window layers (``--model tiny-mistral`` / ``tiny-gemma3``) gets a pool sized the
+same way, per KV-cache group, and its windows may hand back enough blocks that nobody is
+preempted (the last statistics line counts them). The demo prints what happens
 step by step, the outputs, the final statistics, and a map of the physical blocks at the step
 with the most sharing. All requests use ``ignore_eos`` so that their lengths, and so the memory
 pressure, are the same on every machine.
@@ -84,7 +87,8 @@ def cancel_due(out) -> bool:
 def default_num_blocks(tokenizer, reqs, block_size: int, num_groups: int = 1) -> int:
     """Room for the largest request alone (all its samples or beams), but about half of what
     all of them need together, so that some requests must be preempted. A model with several
-    KV-cache groups (sliding-window layers) takes a prompt's blocks in each group."""
+    KV-cache groups (sliding-window layers) takes a prompt's blocks in each group (and its
+    windows then free blocks as it decodes: it may need no preemption at all)."""
     need = []
     for _, prompt, p in reqs:
         n_tokens = len(tokenizer.encode(prompt)) + min(p.max_tokens, 64)
