@@ -45,8 +45,7 @@
 # (2 layers, both sliding) and `tiny-gemma3` (4 layers: sliding, full, sliding, full), with a
 # window of 24 tokens, random weights and a byte tokenizer (one token per byte: the text is
 # gibberish, the blocks and numbers are real). The real models appear only as configs on
-# PyTorch's *meta* device: shapes without weights, built offline in milliseconds. The chapter
-# runs in well under a minute on two CPU cores.
+# PyTorch's *meta* device: shapes without weights, built offline.
 
 # %%
 from pagedlearn.notebook import setup
@@ -163,8 +162,9 @@ print("paged result finite:", bool(paged.isfinite().all()),
 # %% [markdown]
 # The paged reference starts at the block that holds the window's first key
 # (`first_visible_key(n - 1, W) // BS`) and reads nothing before it. The Triton decode kernel
-# (`kernels/decode_attention.py`) starts its loop there too, so a window also makes decode
-# cheaper: the blocks before it are never loaded.
+# (`kernels/decode_attention.py`) starts its loop there too: under a window the decode kernel
+# never loads the blocks before it (`benchmarks/bench_sliding_window.py` counts the blocks it
+# reads).
 #
 # ## 2. KV-cache groups: whose blocks are whose
 #
@@ -177,9 +177,11 @@ print("paged result finite:", bool(paged.isfinite().all()),
 # A block holds `block_size` tokens of K/V for one group's layers, so (the layers here all having
 # the same KV heads and head size) every group must have the same number of layers. vLLM's rule
 # for that number, which `group_layers` follows: the group size is the smallest number of layers
-# of one kind (or the largest, when it is within 25% of the smallest: less padding); each kind is
-# cut into groups of that many layers, and a kind that does not divide evenly gets a last,
-# smaller group whose blocks carry unused **padding** layer slots.
+# of one kind (or the largest, when it is within 25% of the smallest: less padding; the threshold
+# of the version that introduced hybrid groups -- later versions may tune it); a kind of `n`
+# layers gets `ceil(n / size)` groups, its layers dealt out round-robin (`layers[i::num_groups]`),
+# and a group with fewer layers than the group size leaves unused **padding** layer slots in
+# every one of its blocks.
 # Here are the groups of the two tiny models and of three real configs (their layer windows read
 # from transformers' config classes by `layer_windows`):
 
@@ -203,10 +205,10 @@ print(
 
 # %% [markdown]
 # Gemma-3-1B has 4 full layers and 22 sliding ones: groups of 4, so 1 full group and 6 sliding
-# groups, the last with 2 layers and 2 padding slots in every one of its blocks. vLLM logs a
-# warning when it adds padding layers ("Add N padding layers, may waste at most ...% KV cache
-# memory"). Hybrid models such as Gemma 3 follow an `n : 1` pattern (five sliding layers to one
-# full), for which the smallest count is the natural group size.
+# groups: four of 4 layers and two of 3, each of those two with 1 padding slot in every one of its
+# blocks, 2 slots in all. vLLM logs a warning when it adds padding layers ("Add N padding layers,
+# may waste at most ...% KV cache memory"). Hybrid models such as Gemma 3 follow an `n : 1` pattern
+# (five sliding layers to one full), for which the smallest count is the natural group size.
 #
 # Why one pool, and not one per kind? How many blocks each kind needs depends on the traffic:
 # long prompts fill the full group's tables, while a sliding group holds a few blocks per
@@ -475,7 +477,9 @@ for name in ("tiny-gpt2", "tiny-mistral", "tiny-gemma3"):
 # KV heads (a tiny-gemma3 token takes a slot in both of its groups, so with every layer counted
 # it costs what a tiny-gpt2 token costs). Each tiny-mistral sequence holds at most 3 blocks (a
 # window of 24 spans at most 3 blocks of 16), so all 8 requests run together from start to
-# finish, without a preemption, in 80 steps. tiny-gemma3 holds its full group's blocks on top,
+# finish, without a preemption, in 80 steps (the mean batch reads 7.9, not 8, because the
+# statistics after the last step, when all 8 have finished, count 0 running). tiny-gemma3
+# holds its full group's blocks on top,
 # which grow with its length: it runs out of blocks and preempts, but less often than tiny-gpt2,
 # and finishes in fewer steps. These counts (blocks, mean batch, preemptions, steps) come from
 # the scheduler and the allocator, not from a clock: they are the same on every machine. Before
@@ -490,8 +494,9 @@ for name in ("tiny-gpt2", "tiny-mistral", "tiny-gemma3"):
 # prefix is shorter than the window). The older ones may have been evicted long ago; the new
 # sequence's table gets `-1` for them. vLLM's `SlidingWindowManager.find_longest_cache_hit`
 # searches from the right for that many cached blocks in a row
-# (`vllm/v1/core/single_type_kv_cache_manager.py`; the example in its docstring, with blocks of 4
-# and a window of 8, is two null blocks followed by two cached ones), and so does pagedlearn's
+# (`vllm/v1/core/single_type_kv_cache_manager.py`; the docstring of the abstract
+# `SingleTypeKVCacheManager.find_longest_cache_hit` there gives the example, with blocks of 4
+# and a window of 8: two null blocks followed by two cached ones), and so does pagedlearn's
 # (`sliding_window_manager.py`). The hash of block `h - 1` still covers every token
 # before it, so a hit still means "the same prefix".
 #
@@ -544,11 +549,12 @@ report(f"filler evicted {len(evicted)} blocks:")
 
 # %% [markdown]
 # The filler evicted `A`'s blocks 0..7, exactly the ones the window freed first: at `A`'s first
-# decode step, blocks 0..12 went back to the pool at once, oldest first, so LRU eviction takes
-# them first too. The window rule still finds all 56 tokens; a full-attention group, needing the
-# chain from block 0, would find none. Run `C` and check the result against transformers: the
-# reused K/V at positions 32..55 were computed, in `A`'s run, from the same tokens as `C`'s, so
-# `C`'s tokens must be exact.
+# decode step, blocks 0..12 went back to the pool at once, oldest first, so LRU eviction takes them
+# first too. (That order is pagedlearn's choice: vLLM's `remove_skipped_blocks` hands a batch back
+# newest first, so an LRU there evicts the newest skipped blocks first.) The window rule still finds
+# all 56 tokens; a full-attention group, needing the chain from block 0, would find none. Run `C`
+# and check the result against transformers: the reused K/V at positions 32..55 were computed, in
+# `A`'s run, from the same tokens as `C`'s, so `C`'s tokens must be exact.
 
 # %%
 engine.add_request("C", C, SamplingParams(max_tokens=16))
@@ -614,10 +620,11 @@ hits("2 more evicted:")
 #   although its full group still holds every block of the prefix. A cached prefix is worth
 #   only as much as the group that can reuse the least of it.
 #
-# Together: a window lets prefix caching survive the loss of old blocks, which LRU evicts first
-# since the window freed them first. But in a hybrid model the blocks that count are the ones the
-# *sliding* group needs near the end of the shared prefix, and when the request that left them
-# had decoded past them, they were freed, and so are evicted, before any of the full group's.
+# Together: a window lets prefix caching survive the loss of old blocks, which pagedlearn's LRU
+# evicts first since the window freed them first (vLLM frees a batch newest first). But in a hybrid
+# model the blocks that count are the ones the *sliding* group needs near the end of the shared
+# prefix, and when the request that left them had decoded past them, they were freed, and so are
+# evicted, before any of the full group's.
 
 # %% [markdown]
 # ## Exercises

@@ -6,8 +6,9 @@ A *sliding-window* layer with window ``W`` lets the query at position ``p`` see 
 positions ``p - W < key_pos <= p``; Mistral-7B is sliding in every layer, Gemma 3 has five
 sliding layers to one full, Gemma 2 and gpt-oss alternate. A sliding layer never reads a key
 again once it is ``W`` tokens old, so its blocks can go back to the pool while the sequence
-grows: it holds at most ``ceil(W / block_size) + 1`` blocks, however long the sequence gets.
-A full layer must keep them all.
+grows: it holds at most ``ceil(W / block_size) + 1`` blocks while it decodes, however long the
+sequence gets (a prompt prefilled in one step holds all its blocks for that step). A full layer
+must keep them all.
 
 So layers of different kinds cannot share one block table. vLLM's hybrid KV-cache manager
 (``vllm/v1/core/kv_cache_utils.py``, ``kv_cache_coordinator.py``) puts layers of the same kind in
@@ -18,18 +19,20 @@ one pool idle while the other runs dry.
 
 A shared pool needs every block to be the same size in bytes. A block of a group holds
 ``block_size`` tokens of K/V for *that group's* layers, so every group must have the same
-number of layers. vLLM's rule, used here: take the smallest number of layers of one kind as the
-group size (or the largest, if it is within 25% of the smallest: less padding); split each kind
-into groups of that many layers; a kind that does not divide evenly gets a last group with
-fewer layers, whose unused layer slots in a block are padding. Gemma-3-1B (4 full layers, 22
-sliding) becomes 1 full group and 6 sliding groups: five of 4 layers and one of 2 (whose
-blocks carry 2 layer slots of padding).
+number of layers. vLLM's rule (``_get_kv_cache_groups_uniform_page_size``, as hybrid groups
+were introduced; later versions may tune the threshold), used here: take the smallest number of
+layers of one kind as the group size (or the largest, if it is within 25% of the smallest: less
+padding); a kind of ``n`` layers gets ``ceil(n / size)`` groups, its layers dealt out round-robin
+(``layers[i::num_groups]``), and a group with fewer layers than ``size`` pads the rest of every
+block's layer slots. Gemma-3-1B (4 full layers, 22 sliding) becomes 1 full group and 6 sliding
+groups, four of 4 layers and two of 3: 2 layer slots of padding in all (vLLM's warning: "Add 2
+padding layers, may waste at most 9.09% KV cache memory").
 
 >>> groups = group_layers([24, None, 24, None])     # tiny-gemma3: sliding, full, sliding, full
 >>> [(g.name, g.layer_ids) for g in groups]
 [('full', (1, 3)), ('sliding 24', (0, 2))]
 >>> [len(g.layer_ids) for g in group_layers([None] * 4 + [4096] * 22)]  # Gemma-3-1B-like
-[4, 4, 4, 4, 4, 4, 2]
+[4, 4, 4, 4, 4, 3, 3]
 """
 
 from __future__ import annotations
@@ -100,7 +103,8 @@ def group_layers(layer_windows: Sequence[int | None]) -> list[KVCacheGroupSpec]:
     groups = []
     for w in order:
         layers = kinds[w]
-        chunks = [tuple(layers[i : i + size]) for i in range(0, len(layers), size)]
+        num_groups = -(-len(layers) // size)
+        chunks = [tuple(layers[i::num_groups]) for i in range(num_groups)]  # round-robin
         for k, chunk in enumerate(chunks):
             name = _kind_name(w) + (f" #{k}" if len(chunks) > 1 else "")
             groups.append(KVCacheGroupSpec(chunk, w, name))

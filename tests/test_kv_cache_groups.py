@@ -26,7 +26,9 @@ def test_grouping_follows_vllms_uniform_page_rule():
     ]  # fmt: skip
     # within 25%: the larger count, less padding (5 full, 6 sliding -> groups of 6)
     assert [len(g.layer_ids) for g in group_layers([None] * 5 + [3] * 6)] == [5, 6]
-    assert [len(g.layer_ids) for g in group_layers([None] * 4 + [3] * 5)] == [4, 4, 1]
+    assert [len(g.layer_ids) for g in group_layers([None] * 4 + [3] * 5)] == [4, 3, 2]
+    # dealt round-robin, as vLLM does: sliding layers 4..8 -> (4, 6, 8) and (5, 7)
+    assert [g.layer_ids for g in group_layers([None] * 4 + [3] * 5)][1:] == [(4, 6, 8), (5, 7)]
     for bad in ([], [0], [2.5], [True]):
         with pytest.raises(PagedLearnError):
             group_layers(bad)

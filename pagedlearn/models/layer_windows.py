@@ -26,8 +26,8 @@ and the ``sliding_window=`` each ``modeling_<name>.py`` passes to its attention 
 ``layer_types`` is read wherever a config carries it (some classes set it in ``__init__`` only:
 Falcon-H1, Nemotron-H, RecurrentGemma, whose "hybrid", "linear_attention" or "moe" layers are then
 refused), except for Mistral and Mixtral: their attention takes ``config.sliding_window`` in every
-layer even when a config.json carries ``layer_types`` (transformers warns and points to
-Ministral). And ``sliding_window`` counts only on a config class that declares it: a stray
+layer even when a config.json carries ``layer_types`` (for Mistral, transformers warns and
+points to Ministral). And ``sliding_window`` counts only on a config class that declares it: a stray
 ``sliding_window`` key in a Llama config.json changes nothing in Llama's attention, so it must
 change nothing here either.
 
