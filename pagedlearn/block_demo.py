@@ -27,12 +27,17 @@ def format_pool(
 ) -> str:
     """One cell per physical block: its owners (``labels`` may shorten their ids), ``xN`` for
     the refcount of a shared block, ``c`` for cached-free (free, but holding a findable prefix),
-    ``.`` for empty. (``python -m pagedlearn demo`` draws the engine's pool with it too.)"""
+    ``.`` for empty. (``python -m pagedlearn demo`` draws the engine's pool with it too.) With
+    several KV-cache groups (a sliding-window model), an owner is ``A/F`` or ``A/S``: request A's
+    block in the full or the sliding group (:func:`group_tags`)."""
     a, labels = kv.allocator, labels or {}
+    tags = group_tags(kv)
     owners: dict[int, list[str]] = {}
     for seq_id in kv.sequences():
-        for b in kv.block_table(seq_id):
-            owners.setdefault(b, []).append(labels.get(seq_id, str(seq_id)))
+        for tag, table in zip(tags, kv.block_tables(seq_id), strict=True):
+            for b in table:
+                if b >= 0:  # -1: a block a sliding window freed
+                    owners.setdefault(b, []).append(labels.get(seq_id, str(seq_id)) + tag)
     cells = []
     for b in range(a.num_blocks):
         if b in owners:
@@ -42,6 +47,19 @@ def format_pool(
         cells.append(f"{b:>3}: {cell:<{width}}")
     rows = [" ".join(cells[i : i + per_row]).rstrip() for i in range(0, len(cells), per_row)]
     return "\n".join(rows)
+
+
+def group_tags(kv: KVCacheManager) -> list[str]:
+    """The suffix of each KV-cache group's owners in :func:`format_pool`: ``[""]`` for one
+    group; ``"/F"`` for full attention and ``"/S"`` (``"/S1"``, ... if several) for sliding."""
+    groups = getattr(kv, "groups", None)
+    if not groups or len(groups) == 1:
+        return [""]
+    sliding = [g for g in groups if g.is_sliding]
+    return [
+        "/F" if not g.is_sliding else "/S" + (str(sliding.index(g)) if len(sliding) > 1 else "")
+        for g in groups
+    ]
 
 
 def show(kv: KVCacheManager, title: str) -> None:

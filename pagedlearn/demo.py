@@ -228,6 +228,8 @@ def run_demo(
     print(f"\n== the pool when the most blocks were shared ({busiest[1]})")
     print(busiest[2])
     print("  (A+B x2: a block shared by A and B, refcount 2; c: free but cached; .: empty)")
+    if len(getattr(engine.kv, "groups", ())) > 1:
+        print("  (A/F, A/S: A's block in the full-attention or the sliding-window group)")
     print("\n== final statistics")
     print(engine.stats().summary())
     print("\n== the pool at the end")

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from pagedlearn import OutOfBlocksError, PagedLearnError
+from pagedlearn import KVCacheManager, OutOfBlocksError, PagedLearnError
 from pagedlearn.kv_cache import KVCache, KVCacheSpec
 from pagedlearn.kv_cache_coordinator import KVCacheCoordinator
 from pagedlearn.kv_cache_groups import group_layers, sliding_blocks_held
@@ -252,3 +252,20 @@ def test_a_sliding_request_that_grew_past_the_pool_can_come_back_in_chunks():
     assert sliding.min_blocks_to_run(1000) == 7 and sliding.min_blocks_to_run(9) == 3
     kv = KVCacheCoordinator(group_layers([None, 24]), 16, 4)
     assert kv.min_blocks_to_run(1000) == 250 + 7
+
+
+def test_the_text_pool_map_shows_every_groups_blocks():
+    """``python -m pagedlearn demo`` prints the pool with format_pool: for a hybrid model every
+    used block must appear with its group (found at the end: the sliding group's were shown
+    as free)."""
+    from pagedlearn.block_demo import format_pool
+
+    kv = KVCacheCoordinator(group_layers([None, 4]), 12, 2)
+    kv.add_sequence("a", list(range(7)))  # 4 blocks per group
+    kv.remove_skipped_blocks("a", 7)  # the sliding group keeps blocks 2 and 3 of "a"
+    text = format_pool(kv, {"a": "A"}, per_row=4)
+    assert text.count("A/F") == 4 and text.count("A/S") == 2
+    assert kv.stats()["used_blocks"] == 6
+    single = KVCacheManager(4, 2)
+    single.add_sequence("b", [1, 2, 3])
+    assert "/" not in format_pool(single)
