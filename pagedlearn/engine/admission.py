@@ -105,13 +105,7 @@ def _why_never(engine, n: int, params: SamplingParams | BeamSearchParams) -> str
     q, bs, pool = engine.scheduler, engine.kv.block_size, engine.kv.allocator.num_blocks
     if n > engine.max_model_len:
         return f"its prompt has {n} tokens, more than the model's {engine.max_model_len} positions"
-    blocks = engine.kv.blocks_needed(n)
-    if q.chunked_prefill:  # in chunks; a sliding window bounds what it holds (scheduler.py)
-        blocks = max(
-            engine.kv.min_blocks_to_run(n),
-            engine.kv.blocks_needed(min(n, q.max_num_batched_tokens)),
-        )
-    if blocks > pool:
+    if (blocks := q.blocks_to_start(n)) > pool:
         return (
             f"its prompt needs {blocks} blocks of {bs} tokens, more than the whole pool of {pool}"
         )

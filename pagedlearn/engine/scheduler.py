@@ -267,15 +267,23 @@ class Scheduler:
         left = self.max_num_batched_tokens - out.num_batched_tokens
         return min(len(tokens), self.kv.cached_prefix_tokens(tokens) + left)
 
-    def _blocks_to_start(self, req: Request) -> int:
-        """The fewest blocks a waiting request needs to make progress: every sequence's blocks,
-        or with chunked prefill (one sequence) its first chunk's -- and, where a sliding window
-        bounds what the sequence holds, no more than that (``min_blocks_to_run``)."""
+    def blocks_to_start(self, num_tokens: int) -> int:
+        """The fewest blocks one sequence of ``num_tokens`` tokens needs to make progress: all
+        its blocks, or with chunked prefill its first chunk's -- and, where a sliding window
+        bounds what the sequence holds, no fewer than that (``min_blocks_to_run``). Admission
+        refuses a prompt by this number too."""
         kv = self.kv
-        if not self.chunked_prefill or len(req.seqs) > 1:
-            return sum(kv.blocks_needed(len(s.token_ids)) for s in req.seqs)
-        n = len(req.seqs[0].token_ids)
-        return max(kv.min_blocks_to_run(n), kv.blocks_needed(min(n, self.max_num_batched_tokens)))
+        if not self.chunked_prefill:
+            return kv.blocks_needed(num_tokens)
+        first_chunk = kv.blocks_needed(min(num_tokens, self.max_num_batched_tokens))
+        return max(kv.min_blocks_to_run(num_tokens), first_chunk)
+
+    def _blocks_to_start(self, req: Request) -> int:
+        """:meth:`blocks_to_start` for a waiting request; several sequences (re-admitted after
+        a recompute) are prefilled whole, each one's blocks."""
+        if len(req.seqs) > 1:
+            return sum(self.kv.blocks_needed(len(s.token_ids)) for s in req.seqs)
+        return self.blocks_to_start(len(req.seqs[0].token_ids))
 
     def _pending(self, req: Request) -> int:
         """Prompt tokens a running request has yet to prefill in chunks (0: it is decoding)."""
