@@ -117,11 +117,9 @@ class KVCacheCoordinator:
         groups' blocks together do not fit."""
         self._check_new(seq_id)
         tokens = check_tokens(token_ids)
-        hit = self._agreed_hit(tokens, cache_salt, adapter_id)
+        found = self._agreed_hits(tokens, cache_salt, adapter_id)  # per group, hits agreed
         need, pinned = 0, []
-        for m in self.managers:
-            extra = make_extra_keys(m.model_id, adapter_id, cache_salt)
-            _, hits = m._find_prefix(tokens, extra, hit)
+        for m, (_, _, hits) in zip(self.managers, found, strict=True):
             live = [b for b in hits if b >= 0]
             need += m.blocks_needed(len(tokens)) - len(hits)
             need += sum(1 for b in live if self.allocator.refcount(b) == 0)  # out of the queue
@@ -131,12 +129,13 @@ class KVCacheCoordinator:
         # free queue, where another group's cached hits may wait (least recently used first).
         self.allocator.incref(pinned)
         try:
-            for m in self.managers:
-                m.add_sequence(seq_id, tokens, cache_salt, adapter_id, max_cached_blocks=hit)
+            for m, (extra, hashes, hits) in zip(self.managers, found, strict=True):
+                # Each group's table grows its own token list (and its own hashes).
+                m._add_found(seq_id, list(tokens), extra, hashes, hits)
         finally:
             self.allocator.free(pinned)  # each group holds its own reference now
         self._names[str(seq_id)] = seq_id
-        return hit * self.block_size
+        return len(found[0][2]) * self.block_size
 
     def append_token(self, seq_id: Hashable, token_id: int) -> int:
         """Append to every group's table; returns group 0's slot (``slots`` gives them all)."""
@@ -224,7 +223,8 @@ class KVCacheCoordinator:
     ) -> int:
         """Prompt tokens ``add_sequence`` would reuse now (every group agreeing); changes
         nothing."""
-        return self._agreed_hit(check_tokens(token_ids), cache_salt, adapter_id) * self.block_size
+        found = self._agreed_hits(check_tokens(token_ids), cache_salt, adapter_id)
+        return len(found[0][2]) * self.block_size
 
     def token_ids(self, seq_id: Hashable) -> list[int]:
         return self.managers[0].token_ids(seq_id)
@@ -315,18 +315,20 @@ class KVCacheCoordinator:
         )
 
     # --- internals -------------------------------------------------------------------------------
-    def _agreed_hit(self, tokens: list[int], cache_salt, adapter_id) -> int:
-        """The most prompt blocks every group can skip: lowered until all of them agree."""
-        if self.prefix_cache is None:
-            return 0
+    def _agreed_hits(self, tokens: list[int], cache_salt, adapter_id) -> list[tuple]:
+        """Per group ``(extra keys, block hashes, hits)`` for the prompt, every group's hits as
+        long as the others': the most prompt blocks every group can skip, lowered until all of
+        them agree (each pass only lowers it, so it ends)."""
         hit: int | None = None
         while True:
-            agreed = hit
+            agreed, found = hit, []
             for m in self.managers:
                 extra = make_extra_keys(m.model_id, adapter_id, cache_salt)
-                hit = len(m._find_prefix(tokens, extra, hit)[1])
-            if hit == agreed:
-                return hit
+                hashes, hits = m._find_prefix(tokens, extra, hit)
+                hit = len(hits)
+                found.append((extra, hashes, hits))
+            if hit == agreed or self.prefix_cache is None:  # no cache: no hits, one pass
+                return found
 
     def _check_new(self, seq_id: Hashable) -> None:
         self.managers[0]._seqs.check_new(seq_id)

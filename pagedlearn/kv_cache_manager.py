@@ -141,19 +141,22 @@ class KVCacheManager:
         token_ids: Iterable[int],
         cache_salt: Hashable = None,
         adapter_id: Hashable = None,
-        *,
-        max_cached_blocks: int | None = None,
     ) -> int:
         """Give a new sequence blocks for its prompt; returns how many prompt tokens reuse cached
         KV (their prefill can be skipped). Raises :class:`OutOfBlocksError`, changing nothing,
-        when the pool cannot hold the prompt. ``max_cached_blocks`` caps the reused prefix (the
-        coordinator makes every KV-cache group reuse the same number of blocks)."""
+        when the pool cannot hold the prompt."""
         self._seqs.check_new(seq_id)
         tokens = check_tokens(token_ids)
-        bs = self.block_size
         extra = make_extra_keys(self.model_id, adapter_id, cache_salt)
-        hashes, hits = self._find_prefix(tokens, extra, max_cached_blocks)
+        hashes, hits = self._find_prefix(tokens, extra)
+        return self._add_found(seq_id, tokens, extra, hashes, hits)
 
+    def _add_found(
+        self, seq_id: Hashable, tokens: list[int], extra: tuple, hashes: list, hits: list[int]
+    ) -> int:
+        """:meth:`add_sequence` once the prompt's prefix-cache ``hits`` are known (the
+        coordinator finds them for every group first, so that all groups reuse as many)."""
+        bs = self.block_size
         # Hits that sit in the free queue are taken out of it, so they count against free space.
         # (A sliding group's hits may start with NULL_BLOCK entries: blocks its window skips.)
         live_hits = [b for b in hits if b != NULL_BLOCK]
@@ -211,9 +214,10 @@ class KVCacheManager:
         """Make ``child_id`` a copy of ``parent_id`` that shares all its blocks (no KV copied)."""
         parent = self._seqs.on_gpu(parent_id)
         self._seqs.check_new(child_id)
-        self.allocator.incref(parent.block_ids)
+        blocks = parent.live_blocks()  # a sliding window's null entries stay null in both
+        self.allocator.incref(blocks)
         self._seqs.add(child_id, parent.copy(), self._seqs.extra_keys[parent_id])
-        self._events.incref(parent_id, child_id, parent.block_ids)
+        self._events.incref(parent_id, child_id, blocks)
 
     def free_sequence(self, seq_id: Hashable) -> None:
         """Return a finished (or aborted) sequence's blocks. Cached blocks stay findable until
@@ -221,7 +225,7 @@ class KVCacheManager:
         on_cpu = self._seqs.is_swapped(seq_id)
         # Tail first: the tail of a sequence is the least likely to be shared, so it should be
         # the first evicted -- freeing it first puts it nearer the front of the LRU queue.
-        blocks = self._seqs.table(seq_id).block_ids[::-1]
+        blocks = self._seqs.table(seq_id).live_blocks()[::-1]
         (self.cpu_allocator if on_cpu else self.allocator).free(blocks)
         self._events.free(seq_id, blocks, cpu=on_cpu)
         self._seqs.remove(seq_id)

@@ -21,8 +21,8 @@ changes three things (vLLM: ``SlidingWindowManager`` in
 3. **Nothing else.** Blocks are still allocated one per ``block_size`` tokens, a prefill chunk
    takes blocks for all its tokens (its queries read them, and the window before the first),
    so a prompt prefilled in one step holds all its blocks for that step; forks share blocks
-   (the null entries too: ``fork`` and ``free_sequence`` below skip them, as swap.py does)
-   and copy the last one on write, swapping moves the live blocks and keeps the nulls.
+   (the null entries stay null: the manager's ``fork`` and ``free_sequence`` skip them, as
+   swap.py does) and copy the last one on write, swapping moves the live blocks and keeps the nulls.
 
 >>> kv = SlidingWindowManager(num_blocks=8, block_size=4, sliding_window=6)
 >>> kv.add_sequence("a", list(range(10)))          # 10 tokens: blocks 0, 1, 2
@@ -90,23 +90,6 @@ class SlidingWindowManager(KVCacheManager):
         """The manager's invariants, and: no table has freed a block its next query reads."""
         super().check_invariants()
         check_window(self._seqs.gpu, self.sliding_window, self.block_size)
-
-    def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
-        """:meth:`KVCacheManager.fork`, sharing the live blocks (null entries stay null)."""
-        parent = self._seqs.on_gpu(parent_id)
-        self._seqs.check_new(child_id)
-        blocks = parent.live_blocks()
-        self.allocator.incref(blocks)
-        self._seqs.add(child_id, parent.copy(), self._seqs.extra_keys[parent_id])
-        self._events.incref(parent_id, child_id, blocks)
-
-    def free_sequence(self, seq_id: Hashable) -> None:
-        """:meth:`KVCacheManager.free_sequence`, returning the live blocks only (tail first)."""
-        on_cpu = self._seqs.is_swapped(seq_id)
-        blocks = self._seqs.table(seq_id).live_blocks()[::-1]
-        (self.cpu_allocator if on_cpu else self.allocator).free(blocks)
-        self._events.free(seq_id, blocks, cpu=on_cpu)
-        self._seqs.remove(seq_id)
 
     def _find_prefix(
         self, tokens: list[int], extra: tuple, limit: int | None = None

@@ -19,9 +19,12 @@ FREE_SRC = (
 
 
 # (old text, new text, a phrase the failing message must contain), all in kv_cache_manager.py
+NULLS = (
+    "        blocks = parent.live_blocks()  # a sliding window's null entries stay null in both\n"
+)
 MISTAKES = [
     pytest.param(
-        "        self.allocator.incref(parent.block_ids)\n"
+        "        self.allocator.incref(blocks)\n"
         "        self._seqs.add(child_id, parent.copy(), self._seqs.extra_keys[parent_id])\n",
         "        table = parent.copy()\n"
         "        table.block_ids = self._allocate(len(parent.block_ids), child_id)\n"
@@ -64,8 +67,8 @@ MISTAKES = [
         id="frees_src_before_allocating",
     ),
     pytest.param(
-        "block_ids[::-1]",
-        "block_ids[:]",
+        "live_blocks()[::-1]",
+        "live_blocks()[:]",
         "LAST block first",
         id="frees_head_first",
     ),
@@ -88,8 +91,10 @@ MISTAKES = [
         id="fork_does_not_check_the_child",
     ),
     pytest.param(
-        "        self._seqs.check_new(child_id)\n        self.allocator.incref(parent.block_ids)\n",
-        "        self.allocator.incref(parent.block_ids)\n        self._seqs.check_new(child_id)\n",
+        "        self._seqs.check_new(child_id)\n"
+        + NULLS
+        + "        self.allocator.incref(blocks)\n",
+        NULLS + "        self.allocator.incref(blocks)\n        self._seqs.check_new(child_id)\n",
         "an error must leave everything as it was",
         id="fork_checks_the_child_too_late",
     ),
@@ -127,7 +132,7 @@ def test_mistake_loses_points(tmp_path, old, new, phrase):
 
 
 def test_failure_has_a_picture_of_both_pools(tmp_path):
-    files = patched(LAB, KV, "block_ids[::-1]", "block_ids[:]")
+    files = patched(LAB, KV, "live_blocks()[::-1]", "live_blocks()[:]")
     check = next(c for c in LAB.checks if c.name == "free_sequence_frees_the_tail_first")
     outcome = run_check(check, submit(LAB, tmp_path, files))
     assert outcome.status == FAILED and outcome.picture is not None

@@ -112,9 +112,10 @@ class KVCacheManager(KVCacheManager):  # the class so far, with these methods yo
         """Make ``child_id`` a copy of ``parent_id`` that shares all its blocks (no KV copied)."""
         parent = self._seqs.on_gpu(parent_id)
         self._seqs.check_new(child_id)
-        self.allocator.incref(parent.block_ids)
+        blocks = parent.live_blocks()  # a sliding window's null entries stay null in both
+        self.allocator.incref(blocks)
         self._seqs.add(child_id, parent.copy(), self._seqs.extra_keys[parent_id])
-        self._events.incref(parent_id, child_id, parent.block_ids)
+        self._events.incref(parent_id, child_id, blocks)
 
     def free_sequence(self, seq_id: Hashable) -> None:
         """Return a finished (or aborted) sequence's blocks. Cached blocks stay findable until
@@ -122,7 +123,7 @@ class KVCacheManager(KVCacheManager):  # the class so far, with these methods yo
         on_cpu = self._seqs.is_swapped(seq_id)
         # Tail first: the tail of a sequence is the least likely to be shared, so it should be
         # the first evicted -- freeing it first puts it nearer the front of the LRU queue.
-        blocks = self._seqs.table(seq_id).block_ids[::-1]
+        blocks = self._seqs.table(seq_id).live_blocks()[::-1]
         (self.cpu_allocator if on_cpu else self.allocator).free(blocks)
         self._events.free(seq_id, blocks, cpu=on_cpu)
         self._seqs.remove(seq_id)
