@@ -260,12 +260,17 @@ def use(text: str) -> None:
 
 
 def assert_consistent(replay: PoolReplay, meta: dict) -> None:
-    """What a loaded trace guarantees: refcounts match the tables, every id is in its pool."""
+    """What a loaded trace guarantees: refcounts match the tables, every id is in its pool, and
+    a sliding window's null entries (-1, no block) only ever form a table's head."""
     held = Counter(b for table in replay.tables.values() for b in table)
     assert replay.refcounts == [held[b] for b in range(meta["num_blocks"])]
     cpu = meta.get("num_cpu_blocks")
+    for table in [*replay.tables.values(), *replay.swapped.values()]:
+        live = [b for b in table if b != -1]
+        assert table == [-1] * (len(table) - len(live)) + live
     for table in replay.swapped.values():
-        assert all(0 <= c < cpu for c in table) if cpu is not None else True
+        live = [c for c in table if c != -1]
+        assert all(0 <= c < cpu for c in live) if cpu is not None else True
 
 
 @FUZZ
