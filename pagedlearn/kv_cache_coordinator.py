@@ -97,6 +97,7 @@ class KVCacheCoordinator:
         first = self.managers[0]
         self.block_size, self.model_id = block_size, model_id
         self.enable_prefix_caching = enable_prefix_caching
+        self.has_sliding_window = any(g.is_sliding for g in self.groups)
         self.allocator, self.cpu_allocator = first.allocator, first.cpu_allocator
         self.prefix_cache, self.trace = first.prefix_cache, first.trace
         self._marker = StepMarker()

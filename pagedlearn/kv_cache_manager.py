@@ -82,6 +82,8 @@ class KVCacheManager:
     allocator_class = BlockAllocator
     block_table_class = BlockTable
     prefix_cache_class = PrefixCache
+    # Whether remove_skipped_blocks can free anything: a scheduler skips calling it otherwise.
+    has_sliding_window = False
 
     def __init__(
         self,

@@ -50,6 +50,8 @@ class SlidingWindowManager(KVCacheManager):
     prefix-cache hit needs only the window's blocks (module docstring).
     """
 
+    has_sliding_window = True
+
     def __init__(self, num_blocks: int, block_size: int, sliding_window: int, **kwargs) -> None:
         w = sliding_window
         if not isinstance(w, int) or isinstance(w, bool) or w < 1:

@@ -114,11 +114,12 @@ class Scheduler:
         prefilling = {rid: n for rid, n in pending.items() if n}
         decode_seqs = sum(len(r.seqs) for r in self.running if r.request_id not in prefilling)
         prefill_budget = self.max_num_batched_tokens - decode_seqs  # decodes come first
-        # A sliding window's blocks that no query will read again go back to the pool first
-        # (a no-op for full attention): the checks below then count the room they leave.
-        for r in self.running:
-            for seq_id in r.seq_ids:
-                kv.remove_skipped_blocks(seq_id, kv.num_tokens(seq_id))
+        # A sliding window's blocks that no query will read again go back to the pool first,
+        # so that the checks below count the room they leave (full attention skips nothing).
+        if kv.has_sliding_window:
+            for r in self.running:
+                for seq_id in r.seq_ids:
+                    kv.remove_skipped_blocks(seq_id, kv.num_tokens(seq_id))
         # Each decoding sequence takes at most one block per KV-cache group (a new one, or a
         # copy-on-write copy): with that many free blocks and no prompt in progress, nobody
         # can run short. (blocks_needed(1): one block in every group.)
