@@ -38,6 +38,7 @@ DEV = [
     ("nbclient", "nbclient"),
     ("jupytext", "jupytext"),
     ("ruff", "ruff"),
+    ("prometheus_client", "prometheus_client"),
 ]
 
 PROBE_TIMEOUT_S = 120  # the interpreter probe imports torch and Triton in a fresh process

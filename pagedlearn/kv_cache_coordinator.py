@@ -95,7 +95,7 @@ class KVCacheCoordinator:
                 m = SlidingWindowManager(num_blocks, block_size, g.sliding_window, **shared)
             self.managers.append(m)
         first = self.managers[0]
-        self.block_size, self.model_id = block_size, model_id
+        self.block_size, self._model_id = block_size, model_id
         self.enable_prefix_caching = enable_prefix_caching
         self.has_sliding_window = any(g.is_sliding for g in self.groups)
         self.allocator, self.cpu_allocator = first.allocator, first.cpu_allocator
@@ -104,6 +104,18 @@ class KVCacheCoordinator:
         # str(seq id) -> seq id: the trace names tables "<seq id>|<group>", so 3 and "3" must
         # not both be in use (their tables would share a name).
         self._names: dict[str, Hashable] = {}
+
+    @property
+    def model_id(self) -> Hashable:
+        """The model's id in every block hash (each group adds its name). Set it to a new
+        version and no later prompt hits a block cached before (running sequences keep theirs)."""
+        return self._model_id
+
+    @model_id.setter
+    def model_id(self, model_id: Hashable) -> None:
+        self._model_id = model_id
+        for g, m in zip(self.groups, self.managers, strict=True):
+            m.model_id = (model_id, g.name)
 
     # --- the sequence lifecycle: each group in turn, after checking that all of them fit -------
     def add_sequence(
@@ -160,6 +172,11 @@ class KVCacheCoordinator:
     def remove_skipped_blocks(self, seq_id: Hashable, num_computed_tokens: int) -> int:
         """Every sliding group frees what its window left behind; returns the blocks freed."""
         return sum(m.remove_skipped_blocks(seq_id, num_computed_tokens) for m in self.managers)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix of every group (one shared cache): see
+        :meth:`KVCacheManager.reset_prefix_cache`, refused the same way."""
+        return self.managers[0].reset_prefix_cache()  # every group holds the same sequences
 
     def pop_copies(self) -> list[tuple[int, int]]:
         return self.managers[0].pop_copies()  # one list, shared by every group

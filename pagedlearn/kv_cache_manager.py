@@ -249,6 +249,26 @@ class KVCacheManager:
         self._seqs.on_gpu(seq_id)  # an unknown or swapped-out id raises, as elsewhere
         return 0
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix (vLLM's name): afterwards no prompt hits a block cached
+        before, e.g. after the weights changed. Returns how many cached blocks were dropped and
+        emits one ``cache_reset`` event naming them (the views mark it).
+
+        Refused (:class:`PagedLearnError`, nothing changed) while any sequence holds blocks, on
+        the GPU or swapped out, as vLLM refuses: their blocks are in the cache too, and they
+        would go on registering blocks computed before the reset. Without prefix caching there
+        is nothing to drop: 0."""
+        held = self.sequences() + self.swapped_sequences()
+        if held:
+            raise PagedLearnError(
+                f"reset_prefix_cache refused: {len(held)} sequences still hold blocks "
+                f"({', '.join(map(repr, held[:4]))}{', ...' if len(held) > 4 else ''}); "
+                "free them (finish or abort their requests) first"
+            )
+        if self.prefix_cache is None:
+            return 0
+        return len(drop_free_cached_blocks(self.allocator, self.prefix_cache, self.trace))
+
     # --- swapping (swap.py: the rules, the copy order, the code) -----------------------------
     def swap_out(self, seq_ids: Iterable[Hashable]) -> list[tuple[int, int]]:
         """Move a group of sequences (the samples of one request) to the CPU pool; returns the
@@ -453,3 +473,16 @@ class KVCacheManager:
             if self.prefix_cache.insert(block_hash, block, parent, tokens, extra):
                 self.allocator.mark_cached(block)
                 self._events.cache_store(seq_id, block, block_hash, tokens)
+
+
+def drop_free_cached_blocks(allocator, prefix_cache, trace) -> list[int]:
+    """Make every free cached block an empty one and forget its hash; returns them. (An
+    allocator forgets a cached block only when it hands it out, so every free block is handed
+    out and taken back, in the same order; that is not an eviction, so it is not counted as
+    one.) Emits a ``cache_reset`` event naming the dropped blocks."""
+    blocks = allocator.allocate(allocator.num_free_blocks)  # the empty ones first
+    dropped = [b for b in blocks if prefix_cache.evict(b) is not None]
+    allocator.free(blocks)
+    allocator.num_evictions -= len(dropped)
+    trace.emit("cache_reset", tuple(dropped), ())
+    return dropped
