@@ -46,8 +46,14 @@ class BlockEvents:
         else:
             self.trace.emit("cache_hit", blocks, (self.id(seq_id),))
 
-    def incref(self, parent_id: Hashable, child_id: Hashable, blocks: Sequence[int]) -> None:
-        self.trace.emit("incref", blocks, (self.id(parent_id), self.id(child_id)))  # fork
+    def incref(
+        self, parent_id: Hashable, child_id: Hashable, blocks: Sequence[int], prefix: int = -1
+    ) -> None:
+        ids = (self.id(parent_id), self.id(child_id))
+        if prefix < 0:  # fork: the child shares the whole table
+            self.trace.emit("incref", blocks, ids)
+        else:  # fork_prefix: the parent's first ``prefix`` entries
+            self.trace.emit("incref", blocks, ids, prefix=prefix)
 
     def cow_copy(self, seq_id: Hashable, src: int, dst: int) -> None:
         self.trace.emit("cow_copy", (src, dst), (self.id(seq_id),))

@@ -8,8 +8,9 @@ fits, so requests are preempted and come back (recompute or swap) -- with GPT-2 
 with sliding-window layers (``--model tiny-mistral`` / ``tiny-gemma3``) gets a pool sized the
 same way, per KV-cache group, and its windows may hand back enough blocks that nobody is
 preempted (the last statistics line counts them). The demo prints what happens
-step by step, the outputs, the final statistics, and a map of the physical blocks at the step
-with the most sharing. All requests use ``ignore_eos`` so that their lengths, and so the memory
+step by step, the outputs, the final statistics (the pool and queues, then the latency, length
+and cache-residency percentiles an operator watches), and a map of the physical blocks at the
+step with the most sharing. All requests use ``ignore_eos`` so that their lengths, and so the memory
 pressure, are the same on every machine.
 
 Without a network or a cached GPT-2, ``--model auto`` uses the offline ``tiny-gpt2`` (random
@@ -186,6 +187,8 @@ def run_demo(
 
     events = []
     engine.kv.trace.subscribe(lambda e: e.kind == "preempt" and events.append(e))
+    # The trace is on anyway (the preemption notes), so timing cached blocks costs little more.
+    engine.metrics.track_cache_residency()
     finished, busiest = {}, ((-1, -1), "", "")
     while engine.has_unfinished_requests():
         outputs = engine.step()
@@ -232,6 +235,7 @@ def run_demo(
         print("  (A/F, A/S: A's block in the full-attention or the sliding-window group)")
     print("\n== final statistics")
     print(engine.stats().summary())
+    print(engine.metrics.summary())  # latency and length percentiles, cached blocks' times
     print("\n== the pool at the end")
     print(format_pool(engine.kv, labels, per_row=6, width=9))
     engine.kv.check_invariants()

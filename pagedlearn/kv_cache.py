@@ -36,6 +36,7 @@ With one group (GPT-2, OPT) ``layers_per_block`` is the number of layers and not
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -156,6 +157,10 @@ class KVCache:
             cpu_shape = (2, spec.layers_per_block, num_cpu_blocks, *shape[3:])
             pin = self.device.type == "cuda"
             self.cpu_slab = torch.zeros(cpu_shape, dtype=spec.dtype, pin_memory=pin)
+        # Seconds spent in block copies so far, per kind: what a preemption by swap costs
+        # (engine/stats.py). On a GPU the clock waits for the copy (a synchronize), only in a
+        # step that copies: the forward after it would wait for the copy anyway.
+        self.copy_seconds = {"swap_out": 0.0, "swap_in": 0.0, "cow": 0.0}
 
     @property
     def num_tokens(self) -> int:
@@ -182,20 +187,31 @@ class KVCache:
         """Copy-on-write: block ``src`` -> block ``dst`` for every ``(src, dst)``, K and V, every
         layer. Sources are read before any destination is written (one gather, one scatter)."""
         if pairs:
+            t0 = time.perf_counter()
             src, dst = self._index(pairs, self.device)
             self.slab[:, :, dst] = self.slab[:, :, src]
+            self._timed("cow", t0)
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         """Copy device blocks to the CPU swap pool: ``(device_block, cpu_block)`` pairs."""
         if pairs:
+            t0 = time.perf_counter()
             src, dst = self._index(pairs, self.device)
             self._swap_slab()[:, :, dst.cpu()] = self.slab[:, :, src].to("cpu")
+            self._timed("swap_out", t0)
 
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
         """Copy blocks back from the CPU swap pool: ``(cpu_block, device_block)`` pairs."""
         if pairs:
+            t0 = time.perf_counter()
             src, dst = self._index(pairs, self.device)
             self.slab[:, :, dst] = self._swap_slab()[:, :, src.cpu()].to(self.device)
+            self._timed("swap_in", t0)
+
+    def _timed(self, kind: str, t0: float) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.copy_seconds[kind] += time.perf_counter() - t0
 
     def _swap_slab(self) -> torch.Tensor:
         if self.cpu_slab is None:

@@ -163,6 +163,14 @@ class KVCacheCoordinator:
             m.fork(parent_id, child_id)
         self._names[str(child_id)] = child_id
 
+    def fork_prefix(self, parent_id: Hashable, child_id: Hashable, num_tokens: int) -> None:
+        """:meth:`KVCacheManager.fork_prefix` in every group (it takes no block, so none can
+        run short; group 0 checks the arguments before any group changes)."""
+        self._check_new(child_id)
+        for m in self.managers:
+            m.fork_prefix(parent_id, child_id, num_tokens)
+        self._names[str(child_id)] = child_id
+
     def free_sequence(self, seq_id: Hashable) -> None:
         self.managers[0]._seqs.is_swapped(seq_id)  # raises for an unknown id
         for m in self.managers:

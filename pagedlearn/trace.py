@@ -16,7 +16,9 @@ kind             blocks               seqs    what happened
 ``cache_hit``    cached blocks        (s,)    s reuses cached blocks (refcount +1), appended
                                               (after ``info["skipped"]`` null entries, if
                                               given: a sliding window needs no older block)
-``incref``       parent's blocks      (p, c)  fork: child c shares all of p's blocks
+``incref``       parent's blocks      (p, c)  fork: child c shares all of p's blocks (only
+                                              the first ``info["prefix"]`` entries, if given:
+                                              ``fork_prefix``)
 ``cow_copy``     (src, dst)           (s,)    copy-on-write: s's last block src -> fresh dst
 ``free``         s's blocks           (s,)    s finished: refcount -1 each, its table is gone
 ``free``         s's CPU blocks       (s,)    ``info["cpu"]``: a swapped-out s finished (aborted)
@@ -28,6 +30,9 @@ kind             blocks               seqs    what happened
 ``evict``        (b,)                 (s,)    cached block b taken for s's new data; hash gone
                                               (``info["reason"]``: dropped, not taken -- its KV
                                               may never have been written; recovery.py)
+``cache_reset``  dropped blocks       ()      ``reset_prefix_cache``: every cached block (all
+                                              free: no sequence holds a block) forgets its
+                                              hash; free and empty now; not an eviction
 ``swap_out``     s's GPU blocks       (s,)    refcount -1 each; s's table is now
                                               ``info["cpu_blocks"]``, in the CPU pool
 ``swap_in``      s's new GPU blocks   (s,)    refcount +1 each, s's table again; it was
@@ -46,7 +51,8 @@ sequence; blocks they share appear in each of their events, as they do in their 
 manager emits every kind but ``preempt``, which the engine emits to say *why* blocks moved, and
 ``step``, which the engine asks for after each step: block events say which blocks a sequence
 holds, step events say how full they are and what tokens they hold, so that a replay can draw
-a recorded run exactly as the live view drew it. When nobody subscribes, ``emit`` is a single
+a recorded run exactly as the live view drew it (a frame at each ``step``, and at each
+``cache_reset``: viz/state.py). When nobody subscribes, ``emit`` is a single
 ``if``: the manager pays nothing for the trace it is not asked for. A subscriber that raises
 stops neither the other subscribers nor the manager: its error is held until the next step
 event (:class:`Trace`).

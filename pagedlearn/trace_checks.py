@@ -15,19 +15,25 @@ table in :mod:`pagedlearn.trace`):
   sequence's table, so no refcount ever drops below zero; ``swap_in`` brings back exactly the
   CPU blocks the sequence was swapped out to; a ``window_free`` names the oldest live blocks
   of a table (a sliding window's null entries, -1, only ever form a table's head);
-- a ``step`` sends each sequence's tokens from a position the replay holds, and its counts add up.
+- a ``step`` sends each sequence's tokens from a position the replay holds, and its counts add up;
+- a ``cache_reset`` (``reset_prefix_cache``) comes while no sequence holds a block, on the GPU or
+  swapped out (the manager refuses it otherwise), names each block once, and names every block
+  the replay holds as cached (it drops them all). Like ``evict``, it may name a free block the
+  replay never saw cached: a recording that began after an earlier run resets what that run
+  cached.
 
 A trace recorded here obeys them all; a file that breaks one was edited, truncated, or recorded
 after the run it describes had started (an event then names a sequence the replay never saw).
 :func:`check_replay` replays a whole file once at load (trace_file.py checked its types first)
-and also bounds what a viewer will build from it: one picture of the pool per ``step`` event.
+and also bounds what a viewer will build from it: one picture of the pool per ``step`` event
+(and per ``cache_reset``).
 """
 
 from __future__ import annotations
 
 from pagedlearn import trace_limits
 from pagedlearn.errors import TraceFileError
-from pagedlearn.trace_file import SHAPES, check_token_lists
+from pagedlearn.trace_file import FRAME_KINDS, SHAPES, check_token_lists
 from pagedlearn.trace_limits import (
     Problem,
     above_cap,
@@ -81,7 +87,7 @@ def _check_fits(replay, e) -> None:
                     f"takes block {b}, which is in use (refcount {rc[b]}): not a free block"
                 )
     twice = len(set(e.blocks)) != len(e.blocks)  # a block table never holds a block twice
-    if twice and kind in ("allocate", "cache_hit", "cow_copy", "swap_in"):
+    if twice and kind in ("allocate", "cache_hit", "cow_copy", "swap_in", "cache_reset"):
         raise Problem("names a block twice")
     if kind == "incref":
         parent, child = e.seqs
@@ -90,7 +96,8 @@ def _check_fits(replay, e) -> None:
             raise Problem(f"forks sequence {parent!r} into itself")
         if child in replay.tables or child in replay.swapped:
             raise Problem(f"forks into sequence {child!r}, which already exists")
-        if list(e.blocks) != _live(table):
+        shared = table[: e.info.get("prefix", len(table))]  # fork_prefix: the first entries
+        if list(e.blocks) != _live(shared):
             raise Problem(f"shares blocks {show(list(e.blocks))}, not the table of {parent!r}")
     elif kind == "cow_copy":
         table = _gpu_table(replay, s, "copies on write for")
@@ -139,6 +146,8 @@ def _check_fits(replay, e) -> None:
         raise Problem(f"evicts block {b}, which is in use (refcount {rc[b]}): only free blocks are")
     elif kind == "step":
         _check_step_counts(replay, info)
+    elif kind == "cache_reset":
+        _check_reset(replay, e.blocks)
 
 
 def _check_shape(kind: str, blocks, seqs) -> None:
@@ -164,6 +173,19 @@ def _gpu_table(replay, s, verb: str) -> list[int]:
             "recording started after it)"
         )
     return replay.tables[s]
+
+
+def _check_reset(replay, blocks) -> None:
+    """A prefix-cache reset: nothing holds a block, and every cached block is dropped."""
+    held = [*replay.tables, *replay.swapped]
+    if held:
+        raise Problem(
+            f"resets the prefix cache while sequences {show(held)} hold blocks (the manager "
+            "refuses a reset until every sequence is freed)"
+        )
+    kept = sorted(set(replay.cached) - set(blocks))
+    if kept:
+        raise Problem(f"drops the cached blocks but not {show(kept)}: a reset drops them all")
 
 
 def _check_step_counts(replay, info: dict) -> None:
@@ -195,7 +217,7 @@ def check_replay(replay, events, block_size: int) -> None:
     num_blocks = len(replay.refcounts)
     for e in events:
         replay.apply(e)
-        if e.kind != "step":
+        if e.kind not in FRAME_KINDS:
             continue
         tables, swapped, tokens = replay.tables, replay.swapped, replay.tokens
         cells += num_blocks + len(tables) + sum(map(len, tables.values()))

@@ -66,7 +66,10 @@ SHAPES = {
     "swap_in": (None, 1),
     "preempt": (0, None),
     "step": (0, 0),
+    "cache_reset": (None, 0),
 }
+# The events a viewer draws a frame at (viz/state.py): each step, and each prefix-cache reset.
+FRAME_KINDS = ("step", "cache_reset")
 # What the stats line and the timeline read from a step's ``info["stats"]`` (when it has any).
 STATS_SHOWN = (
     "num_running",
@@ -158,6 +161,8 @@ def _event_fields(d, expected: int | None, meta: dict) -> tuple:
         check_int(info.get("first"), "info.first")
     elif kind == "cache_hit" and "skipped" in info:
         check_int(info["skipped"], "info.skipped")
+    elif kind == "incref" and "prefix" in info:
+        check_int(info["prefix"], "info.prefix")
     if kind == "cache_store":
         check_string(info.get("hash"), "info.hash")
         if "tokens" in info:

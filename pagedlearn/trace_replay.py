@@ -20,6 +20,8 @@ Rules worth knowing:
   beside it says how.
 - An ``evict`` of a block the replay never saw cached is allowed: a recording that began after
   an earlier run evicts what that run cached.
+- A ``cache_reset`` makes every cached block a free, empty one: its hash and tokens are
+  forgotten, as an eviction forgets them, but it is no eviction (nothing took the block).
 
 A fork shares blocks; a write to a shared block copies it first (copy-on-write)::
 
@@ -100,7 +102,8 @@ class PoolReplay:
         elif e.kind == "incref":
             for b in e.blocks:
                 rc[b] += 1
-            self.tables[e.seqs[1]] = list(self.tables[e.seqs[0]])  # null entries included
+            parent = self.tables[e.seqs[0]]  # null entries included; fork_prefix: a prefix
+            self.tables[e.seqs[1]] = parent[: e.info.get("prefix", len(parent))]
         elif e.kind == "window_free":  # a sliding window left these blocks behind
             for b in e.blocks:
                 rc[b] -= 1
@@ -147,6 +150,10 @@ class PoolReplay:
         elif e.kind == "evict":  # a recording that began after an earlier run may evict
             self.cached.pop(e.blocks[0], None)  # a block cached before it: never seen cached
             self.cached_tokens.pop(e.blocks[0], None)
+        elif e.kind == "cache_reset":  # the same leniency: blocks cached before the recording
+            for b in e.blocks:
+                self.cached.pop(b, None)
+                self.cached_tokens.pop(b, None)
 
     @property
     def free_blocks(self) -> list[int]:

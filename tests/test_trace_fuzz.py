@@ -1,12 +1,13 @@
 """Trace files from strangers: a corrupted recording fails with a TraceFileError, nothing else.
 
 Two real recordings are the seeds: a KVCacheManager session driven by hand (forks, copy-on-write,
-prefix caching, swaps, an abort while swapped out) and a tiny GPT-2 engine run (parallel samples,
-beam search, swap preemption, an abort). Hypothesis corrupts their JSON as a careless editor, a
-truncated download or a prankster would -- events deleted, repeated, moved or renumbered, kinds
-changed, numbers made negative, huge, fractional, strings or null, keys dropped, junk added, the
-text cut short -- and each result goes through everything a student does with a file: load it,
-replay it, build every frame of the viewer, its panels, the timeline and the queue history.
+prefix caching, swaps, an abort while swapped out, a prefix-cache reset) and a tiny GPT-2 engine
+run (parallel samples, beam search, swap preemption, an abort). Hypothesis corrupts their JSON
+as a careless editor, a truncated download or a prankster would -- events deleted, repeated,
+moved or renumbered, kinds changed, numbers made negative, huge, fractional, strings or null,
+keys dropped, junk added, the text cut short -- and each result goes through everything a
+student does with a file: load it, replay it, build every frame of the viewer, its panels, the
+timeline and the queue history.
 
 What must hold: the only exception is :class:`TraceFileError`; a file that loads is consistent
 (every refcount equals the table entries that point at the block, every id is in its pool); no
@@ -72,6 +73,11 @@ def seeds() -> tuple[str, ...]:
     kv.mark_step(step=3)
     kv.free_sequence("b")
     kv.mark_step(step=4)
+    kv.free_sequence("a")
+    kv.free_sequence("d")
+    assert kv.reset_prefix_cache() > 0  # every cached block dropped: a frame of its own
+    kv.add_sequence("e", [1, 2, 3])  # a miss: the cache is empty
+    kv.mark_step(step=5)
     texts = log.to_json(), engine_run(), hybrid_run()
     for text in texts:  # they load, and every module the viewer needs is imported before the
         use(text)  # fuzzing measures memory

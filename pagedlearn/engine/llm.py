@@ -16,6 +16,17 @@ given: on a GPU, 40% of its free memory; on a CPU, 256 MiB -- in both cases no m
 ``max_num_seqs`` full-length sequences need. The constructor prints the bytes per token and the
 resulting capacity.
 
+Prompts come as vLLM takes them -- text, token ids, or dicts ``{"prompt": text}`` /
+``{"prompt_token_ids": ids}`` with an optional ``"cache_salt"`` --, and so does the LoRA adapter
+(``lora_request``, one for all prompts or a list, one per prompt). Salt, adapter and
+``model_version`` go into every block hash: a prompt hits a cached block only when all three
+match (pagedlearn applies no adapter; it only keeps their KV apart)::
+
+    outs = llm.generate([{"prompt": "Hi", "cache_salt": "alice"},   # these two share no
+                         {"prompt": "Hi", "cache_salt": "bob"}])    # cached block
+    llm.engine.model_version = "step-100"   # new weights: nothing cached before is hit
+    llm.reset_prefix_cache()                # or drop every cached block now
+
 ``kv_reservation="max"`` turns the same engine into the baseline the paper compares against: each
 request reserves the blocks of ``prompt + max_tokens`` (per sequence) when it is admitted, as
 Orca (Max) does, instead of taking blocks as its tokens arrive (see
@@ -65,6 +76,9 @@ class LLM:
     upper bound for a reservation system. A request whose reservation exceeds the whole pool is
     rejected, like a prompt larger than the pool (``generate`` returns it with ``error`` set).
 
+    ``model_version``: the weights' version, part of every block hash (``llm.engine.model_version``
+    changes it later; see :attr:`LLMEngine.model_version`).
+
     ``kv_cache_manager``: the class that does the block bookkeeping (default
     :class:`~pagedlearn.KVCacheManager`); the labs pass one built from a student's own allocator,
     copy-on-write and prefix cache (:func:`pagedlearn.labs.plug.your_kv_cache_manager`), so the
@@ -95,6 +109,7 @@ class LLM:
         kv_reservation: str = "paged",
         kv_cache_manager=None,
         verbose: bool = True,
+        model_version=None,
     ) -> None:
         from pagedlearn.models import LoadedModel, load
 
@@ -181,6 +196,8 @@ class LLM:
             enable_chunked_prefill,
             kv_reservation,
         )
+        if model_version is not None:
+            self.engine.model_version = model_version  # the manager's model_id: (name, version)
         self.model_name, self.device, self.attention_backend = loaded.name, dev, backend
         self.offline_stand_in = loaded.offline_stand_in
         self._num_generated = 0  # request ids of generate(): "gen-0", "gen-1", ...
@@ -207,9 +224,13 @@ class LLM:
         prompts,
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request=None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (a string, a list of token ids, or a list of either), all
-        batched together; returns one :class:`RequestOutput` per prompt, in order.
+        """Generate for every prompt (a string, a list of token ids, a dict ``{"prompt": text}``
+        or ``{"prompt_token_ids": ids}`` with an optional ``"cache_salt"``, or a list of these),
+        all batched together; returns one :class:`RequestOutput` per prompt, in order.
+        ``lora_request``: the LoRA adapter of every prompt, or a list with one per prompt (see
+        ``LLMEngine.add_request``: pagedlearn only keeps each adapter's cached KV apart).
 
         A prompt that can never be served (too long for the model or the pool) does not stop the
         others: its output has ``error`` set, no tokens, and finish reason "error".
@@ -218,19 +239,26 @@ class LLM:
         requests it added -- their blocks go back to the pool, their outputs are dropped -- and
         re-raises: the engine stays usable, and the next ``generate`` starts clean. Requests
         added to ``llm.engine`` by other code stay queued."""
-        return self._run(prompts, sampling_params or SamplingParams(), use_tqdm)
+        return self._run(prompts, sampling_params or SamplingParams(), use_tqdm, lora_request)
 
     def beam_search(
-        self, prompts, params: BeamSearchParams, use_tqdm: bool = True
+        self, prompts, params: BeamSearchParams, use_tqdm: bool = True, lora_request=None
     ) -> list[RequestOutput]:
-        """Beam search for every prompt; each output holds ``beam_width`` beams, best first."""
+        """Beam search for every prompt (as ``generate`` takes them, ``lora_request`` too);
+        each output holds ``beam_width`` beams, best first."""
         if not isinstance(params, BeamSearchParams):
             raise PagedLearnError(
                 f"beam_search needs BeamSearchParams, got {type(params).__name__}"
             )
-        return self._run(prompts, params, use_tqdm)
+        return self._run(prompts, params, use_tqdm, lora_request)
 
-    def _run(self, prompts, params, use_tqdm: bool) -> list[RequestOutput]:
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix (vLLM's name; see ``LLMEngine.reset_prefix_cache``):
+        returns how many cached blocks were dropped, where vLLM returns a bool. Refused while a
+        request holds blocks (``generate`` leaves none behind)."""
+        return self.engine.reset_prefix_cache()
+
+    def _run(self, prompts, params, use_tqdm: bool, lora_request=None) -> list[RequestOutput]:
         from tqdm.auto import tqdm
 
         prompts = _as_prompt_list(prompts)
@@ -238,15 +266,19 @@ class LLM:
             params = [params] * len(prompts)
         elif len(params) != len(prompts):
             raise PagedLearnError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        if not isinstance(lora_request, list):  # one adapter (or none) for every prompt
+            lora_request = [lora_request] * len(prompts)
+        elif len(lora_request) != len(prompts):
+            raise PagedLearnError(f"{len(prompts)} prompts but {len(lora_request)} lora_requests")
         engine = self.engine
         ids, results, pending = [], {}, set()
         try:
-            for prompt, p in zip(prompts, params, strict=True):
+            for prompt, p, lora in zip(prompts, params, lora_request, strict=True):
                 rid = f"gen-{self._num_generated}"
                 self._num_generated += 1
                 ids.append(rid)
                 try:
-                    engine.add_request(rid, prompt, p)
+                    engine.add_request(rid, prompt, p, lora_request=lora)
                 except RequestRejectedError as e:
                     results[rid] = _rejected(rid, prompt, str(e))
                     print(f"pagedlearn: {e}")
@@ -269,7 +301,7 @@ class LLM:
 
 
 def _as_prompt_list(prompts) -> list:
-    if isinstance(prompts, str):
+    if isinstance(prompts, (str, dict)):  # one prompt: text, or vLLM's TextPrompt/TokensPrompt
         return [prompts]
     prompts = list(prompts)
     if prompts and all(isinstance(t, int) for t in prompts):  # one prompt of token ids
@@ -280,6 +312,8 @@ def _as_prompt_list(prompts) -> list:
 def _rejected(rid: str, prompt, error: str) -> RequestOutput:
     from pagedlearn.engine.request import CompletionOutput, RequestMetrics
 
+    if isinstance(prompt, dict):  # vLLM's prompt dicts; it may be malformed (why it was rejected)
+        prompt = prompt.get("prompt", prompt.get("prompt_token_ids"))
     text = prompt if isinstance(prompt, str) else None
     ids = [] if isinstance(prompt, str) else list(prompt) if hasattr(prompt, "__iter__") else []
     metrics = RequestMetrics(0.0)

@@ -23,18 +23,33 @@ exception reaches the caller, and the next ``step()`` goes on (recovery.py).
 What comes in is checked once, at the door, in admission.py (``RequestRejectedError``); what
 goes out -- each request's output, a finished or failed request, and each step's stats and its
 frame in the trace -- is built in outputs.py. This file is the step in between.
+
+What may share cached KV: a prompt hits a cached block only if everything that went into the
+block's hash agrees -- its tokens and those before them, and the extra keys: the model (with
+its version), the LoRA adapter and the cache salt::
+
+    engine.add_request("a", {"prompt": "Hello", "cache_salt": "tenant-a"})  # vLLM's shapes
+    engine.add_request("b", "Hello", cache_salt="tenant-b")    # shares no block with "a"
+    engine.add_request("c", "Hello", lora_request="my-adapter")  # nor with either of them
+    engine.model_version = "v2"     # new weights: no later prompt hits a block cached before
+    engine.reset_prefix_cache()     # or forget every cached block (refused while any runs)
+
+Stop strings (``SamplingParams(stop=...)``) are checked here too, after every sampled token
+(:meth:`LLMEngine._stop_reason`), by decoding only the tail of the samples that ask for them.
 """
 
 from __future__ import annotations
 
+import functools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 import torch
 
 from pagedlearn.engine.admission import RequestRejectedError, admit
 from pagedlearn.engine.beam_search import beam_step
-from pagedlearn.engine.outputs import fail, finish, frame, mark, publish, request_output
+from pagedlearn.engine.metrics import EngineMetrics
+from pagedlearn.engine.outputs import detokenize, fail, finish, frame, mark, publish, request_output
 from pagedlearn.engine.recovery import Recovery, StepJournal, held_interrupts, recover
 from pagedlearn.engine.request import Request, RequestOutput, RequestStatus
 from pagedlearn.engine.sampler import Sampler
@@ -85,6 +100,7 @@ class LLMEngine:
         self.num_steps = 0
         self.last_stats: StepStats | None = None
         self._stats_subscribers: list[Callable[[StepStats], None]] = []
+        self.metrics = EngineMetrics(max_model_len, kv.trace)  # distributions, windows
         self._arrivals = 0
         self.num_finished = 0
         self.num_failed = 0
@@ -94,21 +110,38 @@ class LLMEngine:
         self._journal: StepJournal | None = None
         self.last_recovery: Recovery | None = None
         self.broken: str | None = None
+        # The model's name in the block hashes, and its version (model_version adds it there).
+        self._model_name: Hashable = getattr(kv, "model_id", None)
+        self._model_version: Hashable = None
+        self._detokenize = functools.partial(detokenize, self)
 
     # --- requests -----------------------------------------------------------------------------
     def add_request(
         self,
         request_id: str | int,
-        prompt: str | Sequence[int],
+        prompt: str | Sequence[int] | dict,
         params: SamplingParams | BeamSearchParams | None = None,
+        *,
+        cache_salt: Hashable = None,
+        lora_request=None,
     ) -> None:
         """Queue a request. Raises :class:`RequestRejectedError` (queueing nothing) if it can
-        never be served: an empty or over-long prompt, or one larger than the whole pool (with
-        ``kv_reservation="max"``: one whose reservation is larger than the whole pool). The
-        checks are in admission.py."""
+        never be served. ``prompt``: text, token ids, or vLLM's ``{"prompt": text}`` /
+        ``{"prompt_token_ids": ids}``, each with an optional ``"cache_salt"``; ``cache_salt``
+        and ``lora_request`` (an adapter id, or vLLM's ``LoRARequest``: pagedlearn applies no
+        adapter, it only keeps each adapter's cached KV apart) go into its blocks' hashes. The
+        shapes and checks are in admission.py."""
         if self.broken:
             raise PagedLearnError(f"this engine takes no more requests: {self.broken}")
-        req = admit(self, request_id, prompt, params, arrival_index=self._arrivals)
+        req = admit(
+            self,
+            request_id,
+            prompt,
+            params,
+            arrival_index=self._arrivals,
+            cache_salt=cache_salt,
+            lora_request=lora_request,
+        )
         self._arrivals += 1
         self.requests[req.request_id] = req
         self.scheduler.add(req)
@@ -130,6 +163,50 @@ class LLMEngine:
             out = finish(self, req)
         mark(self, [out])
         return out
+
+    # --- the prefix cache -----------------------------------------------------------------------
+    @property
+    def model_version(self) -> Hashable:
+        """The weights' version (None: unversioned), in every block hash: the manager's
+        ``model_id`` is ``(model name, version)``, or the bare name for None. Set it when the
+        weights change and no later prompt hits a block cached under the old version. Running
+        sequences keep the keys they started with (their blocks are cached under the old one,
+        which no new prompt looks up); a request preempted by recompute is re-admitted under
+        the new one. Old cached blocks are evicted as the pool needs them (or at once:
+        :meth:`reset_prefix_cache`)."""
+        return self._model_version
+
+    @model_version.setter
+    def model_version(self, version: Hashable) -> None:
+        # It enters every block hash by its text (repr): only values whose text is their content.
+        if version is not None and (not isinstance(version, (str, int)) or version is True):
+            raise PagedLearnError(
+                f"model_version must be hashable as text: a str, an int or None, got {version!r}"
+            )
+        self.kv.model_id = self._model_name if version is None else (self._model_name, version)
+        self._model_version = version
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix (vLLM's name): afterwards no prompt hits a block cached
+        before. Returns how many cached blocks were dropped (vLLM returns a bool instead).
+        The manager's ``cache_reset`` event lets the views mark it.
+
+        Refused (:class:`PagedLearnError`, nothing changed) while a request holds blocks --
+        running or swapped out --, naming them: finish or abort them first. Waiting requests
+        hold none, and stay queued."""
+        if self.broken:
+            raise PagedLearnError(f"reset_prefix_cache refused: {self.broken}")
+        q = self.scheduler
+        held = [(r.request_id, "running") for r in q.running]
+        held += [(r.request_id, "swapped") for r in q.swapped]
+        if held:
+            names = ", ".join(f"{rid!r} ({status})" for rid, status in held[:8])
+            more = f" and {len(held) - 8} more" if len(held) > 8 else ""
+            raise PagedLearnError(
+                f"reset_prefix_cache refused: requests {names}{more} hold blocks; wait until "
+                "they finish (or abort them) first"
+            )
+        return self.kv.reset_prefix_cache()
 
     def has_unfinished_requests(self) -> bool:
         """Whether a ``step()`` has work: queued requests, or outputs of requests that finished
@@ -283,11 +360,17 @@ class LLMEngine:
                 self.kv.free_sequence(seq.seq_id)
         req.seqs = live
 
-    def _stop_reason(self, p, seq, tok: int) -> str | None:
+    def _stop_reason(self, p: SamplingParams, seq, tok: int) -> str | None:
+        """Why ``seq`` ends now that it sampled ``tok``, or None. As vLLM: EOS and stop token
+        ids first, then stop strings (a match on the last allowed token is a "stop"), then
+        the length limits."""
         if tok == self.eos_token_id and not p.ignore_eos:
             return "stop"
         if tok in p.stop_token_ids:
             return "stop"
-        if len(seq.output_token_ids) >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
+        if p.stop and seq.output_text_has(p.stop, self._detokenize):  # decodes only the tail
+            return "stop"
+        n = len(seq.token_ids)
+        if n - seq.num_prompt_tokens >= p.max_tokens or n >= self.max_model_len:
             return "length"
         return None

@@ -38,8 +38,12 @@ def request_output(engine, req: Request) -> RequestOutput:
     else:
         seqs = sorted(req.seqs + req.done, key=lambda s: s.index)
     text = functools.partial(detokenize, engine)  # called on first ``.text`` (request.py)
+    p = req.params  # stop strings cut the text (request.py); beam search has none
+    stop, keep = getattr(p, "stop", ()), getattr(p, "include_stop_str_in_output", False)
     outs = [
-        CompletionOutput(s.index, s.output_token_ids, s.cumulative_logprob, s.finish_reason, text)
+        CompletionOutput(
+            s.index, s.output_token_ids, s.cumulative_logprob, s.finish_reason, text, stop, keep
+        )
         for s in seqs
     ]
     return RequestOutput(
@@ -62,6 +66,7 @@ def finish(engine, req: Request) -> RequestOutput:
     req.seqs = []
     req.metrics.finished_time = time.perf_counter()
     engine.num_finished += 1
+    engine.metrics.observe_request(req)
     return request_output(engine, req)
 
 
@@ -97,6 +102,7 @@ def publish(
         "bookkeeping_time": bookkeeping,
     }
     engine.last_stats = StepStats.collect(engine, step)
+    engine.metrics.observe_step(engine.last_stats)  # its windows move on
     # The trace's frame first: a stats subscriber that raises does not cost the replay it.
     mark(engine, outputs, engine.last_stats)  # the stats just published: not collected twice
     for fn in tuple(engine._stats_subscribers):

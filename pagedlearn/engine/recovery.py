@@ -61,6 +61,7 @@ import threading
 from dataclasses import dataclass, field
 
 from pagedlearn.engine.outputs import fail
+from pagedlearn.engine.readmission import recomputed_tokens
 from pagedlearn.engine.request import Request, RequestOutput, RequestStatus
 from pagedlearn.engine.scheduler import SchedulerOutput
 from pagedlearn.errors import PagedLearnError, add_note
@@ -201,6 +202,8 @@ def _roll_back(engine, journal: StepJournal, exc: BaseException) -> Recovery:
         if req is not current and _consistent(engine, req, journal, swapped_copied, hi):
             continue
         q._dequeue(req)
+        live = [s for s in req.seqs if s.seq_id in kv]
+        q.num_recomputed_tokens += recomputed_tokens(kv, live) if live else 0
         if held := _free(engine, req, hi):
             kv.trace.emit("preempt", (), tuple(held), mode="recompute", reason=reason)
             freed.extend(held)

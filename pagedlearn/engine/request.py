@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import enum
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
 from pagedlearn.engine.sampling_params import BeamSearchParams, SamplingParams
@@ -52,6 +52,21 @@ class Sequence:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def output_text_has(self, stop: tuple[str, ...], decode: Callable[[list[int]], str]) -> bool:
+        """Whether the output's text now contains one of the ``stop`` strings, decoding only its
+        last few tokens with ``decode`` (the engine asks after every sampled token).
+
+        Why the tail suffices: asked after every token, a match found now ends in the newest
+        token's text (an earlier one would have ended an earlier step). Every token decodes to
+        at least one byte (byte-level BPE; SentencePiece's byte fallback), so a stop string of B
+        UTF-8 bytes lies within the last B tokens; 4 more cover a character whose bytes began
+        earlier (a window that starts mid-character decodes to a replacement character there)
+        and a tokenizer that drops a leading space at the window's start."""
+        window = max(len(s.encode()) for s in stop) + 4
+        ids = self.token_ids
+        text = decode(ids[max(self.num_prompt_tokens, len(ids) - window) :])
+        return any(s in text for s in stop)
 
 
 @dataclass
@@ -102,6 +117,10 @@ class Request:
     next_seq_index: int = 0
     error: str | None = None
     num_faults: int = 0  # steps in a row that raised while it was in flight (recovery.py)
+    # Extra keys of its blocks' hashes (prefix_cache.py): requests share cached KV only when
+    # both are equal (admission.py reads them from the prompt and add_request's arguments).
+    cache_salt: Hashable = None
+    adapter_id: Hashable = None  # the LoRA adapter's id; pagedlearn applies no adapter
 
     @property
     def is_beam_search(self) -> bool:
@@ -129,6 +148,12 @@ class CompletionOutput:
 
     ``text`` is decoded from ``token_ids`` on first use: the engine hands out outputs for every
     request at every step, and decoding them all each time would cost more than scheduling.
+
+    With stop strings (``SamplingParams.stop``), as vLLM: a sample that a stop string ended
+    (finish reason "stop") has its ``text`` cut before it (after it, with
+    ``include_stop_str_in_output``), while its ``token_ids`` keep every token; a running sample's
+    ``text`` holds back its last ``len(longest stop string) - 1`` characters, which may be the
+    start of a stop string that the next token completes.
     """
 
     index: int
@@ -136,10 +161,25 @@ class CompletionOutput:
     cumulative_logprob: float
     finish_reason: str | None  # "stop", "length", "abort", "error", or None while running
     detokenize: Callable[[list[int]], str] | None = field(default=None, repr=False, compare=False)
+    stop: tuple[str, ...] = field(default=(), repr=False, compare=False)
+    include_stop_str_in_output: bool = field(default=False, repr=False, compare=False)
 
     @functools.cached_property
     def text(self) -> str:
-        return self.detokenize(self.token_ids) if self.detokenize else ""
+        text = self.detokenize(self.token_ids) if self.detokenize else ""
+        if not self.stop:
+            return text
+        if self.finish_reason is None:  # running: hold back what may start a stop string
+            held = 0 if self.include_stop_str_in_output else max(map(len, self.stop)) - 1
+            return text[: len(text) - held]
+        if self.finish_reason == "stop":
+            # The first stop string (in the list's order) found is the one that ended it: the
+            # engine checked after every token, so none occurred before the last token's text.
+            # (EOS or a stop token id also end with "stop"; then no stop string occurs at all.)
+            for s in self.stop:
+                if (at := text.find(s)) >= 0:
+                    return text[: at + (len(s) if self.include_stop_str_in_output else 0)]
+        return text
 
 
 @dataclass

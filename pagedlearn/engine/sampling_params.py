@@ -16,6 +16,18 @@ def _check_int(name: str, value, low: int) -> None:
         raise PagedLearnError(f"{name} must be an int >= {low}, got {value!r}")
 
 
+def _stop_strings(stop) -> tuple[str, ...]:
+    """``stop`` (None, a str, or a list / tuple of str) as a tuple of non-empty strings."""
+    if stop is None:
+        return ()
+    items = [stop] if isinstance(stop, str) else stop
+    if not isinstance(items, (list, tuple)) or not all(isinstance(s, str) and s for s in items):
+        raise PagedLearnError(
+            f"stop must be a non-empty string or a list of non-empty strings, got {stop!r}"
+        )
+    return tuple(items)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling settings, as in ``vllm.SamplingParams``.
@@ -30,6 +42,11 @@ class SamplingParams:
       copy only the last, partly filled block when they first write different tokens into it.
     - ``stop_token_ids``: extra tokens that end a sample (finish reason "stop"); the model's EOS
       always does, unless ``ignore_eos`` (useful to generate fixed lengths in benchmarks).
+    - ``stop``: strings (one, or a list) that end a sample as soon as its decoded text contains
+      one (finish reason "stop"). Its ``text`` is cut before the stop string (after it with
+      ``include_stop_str_in_output``); its ``token_ids`` keep every sampled token, the ones
+      that spelled the stop string included, as in vLLM. Only samples with stop strings pay for
+      decoding, and only the last few tokens of them per step (``LLMEngine._stop_reason``).
     """
 
     max_tokens: int = 16
@@ -40,6 +57,8 @@ class SamplingParams:
     n: int = 1
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    stop: tuple[str, ...] = field(default_factory=tuple)  # a str or a list of str is accepted
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, 1)
@@ -59,6 +78,12 @@ class SamplingParams:
                 f"stop_token_ids must be ints, got {self.stop_token_ids!r}"
             ) from None
         object.__setattr__(self, "stop_token_ids", stops)
+        object.__setattr__(self, "stop", _stop_strings(self.stop))
+        if not isinstance(self.include_stop_str_in_output, bool):
+            raise PagedLearnError(
+                "include_stop_str_in_output must be True or False, got "
+                f"{self.include_stop_str_in_output!r}"
+            )
 
     @property
     def greedy(self) -> bool:

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import bisect
 
+from pagedlearn.engine.readmission import readmission_blocks, recomputed_tokens
 from pagedlearn.engine.request import Request, RequestStatus
 from pagedlearn.engine.reservation import KV_RESERVATIONS as KV_RESERVATIONS  # (re-exported)
 from pagedlearn.engine.reservation import KVReservation
@@ -82,6 +83,7 @@ class Scheduler:
         self.swapped: list[Request] = []
         self.watermark = max(1, kv.allocator.num_blocks // 100)
         self.num_preemptions = {"recompute": 0, "swap": 0}
+        self.num_recomputed_tokens = 0  # K/V tokens recompute preemptions dropped (readmission.py)
 
     def add(self, req: Request) -> None:
         self._enqueue(self.waiting, req, RequestStatus.WAITING)
@@ -266,7 +268,8 @@ class Scheduler:
         if not self.chunked_prefill or len(req.seqs) > 1:
             return len(tokens)
         left = self.max_num_batched_tokens - out.num_batched_tokens
-        return min(len(tokens), self.kv.cached_prefix_tokens(tokens) + left)
+        cached = self.kv.cached_prefix_tokens(tokens, req.cache_salt, req.adapter_id)
+        return min(len(tokens), cached + left)
 
     def blocks_to_start(self, num_tokens: int) -> int:
         """The fewest blocks one sequence of ``num_tokens`` tokens needs to make progress: all
@@ -281,9 +284,9 @@ class Scheduler:
 
     def _blocks_to_start(self, req: Request) -> int:
         """:meth:`blocks_to_start` for a waiting request; several sequences (re-admitted after
-        a recompute) are prefilled whole, each one's blocks."""
+        a recompute) are prefilled whole, sharing their common prefixes (readmission.py)."""
         if len(req.seqs) > 1:
-            return sum(self.kv.blocks_needed(len(s.token_ids)) for s in req.seqs)
+            return readmission_blocks(self.kv, req.seqs)
         return self.blocks_to_start(len(req.seqs[0].token_ids))
 
     def _pending(self, req: Request) -> int:
@@ -304,6 +307,7 @@ class Scheduler:
                 self._count_preemption(req, out, "swap")
                 self._enqueue(self.swapped, req, RequestStatus.SWAPPED)
                 return
+        self.num_recomputed_tokens += recomputed_tokens(self.kv, req.seqs)
         self._preempt_by_recompute(req, out)
 
     def _count_preemption(self, req: Request, out: SchedulerOutput, mode: str) -> None:

@@ -30,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from pagedlearn.engine.readmission import readmission_blocks, share_plan
 from pagedlearn.engine.request import Request, Sequence
 from pagedlearn.errors import OutOfBlocksError
 
@@ -76,21 +77,23 @@ class SchedulerOutput:
     # --- how a request's tokens enter the plan: they take their slots now ------------------------
     def add_prefill(self, kv: KVCacheManager, req: Request, chunk: int) -> bool:
         """Give every sequence of a waiting request its blocks (all or none) and plan its
-        prefill: its first ``chunk`` tokens, less the prefix the cache already holds (a
-        re-admission after recompute, with several sequences, takes all their tokens). Returns
-        False, with no blocks taken, if they don't fit."""
+        prefill: its first ``chunk`` tokens, less the prefix the cache already holds. A request
+        re-admitted after a recompute preemption with several sequences takes all their tokens,
+        its sequences sharing their common prefixes again (:mod:`~pagedlearn.engine.readmission`).
+        The request's cache salt and adapter go into its block hashes. Returns False, with no
+        blocks taken, if they don't fit."""
         self.touched.append(req)
-        if len(req.seqs) > 1:  # re-admission after recompute: check first, so nothing can fail
-            blocks = sum(kv.blocks_needed(len(s.token_ids)) for s in req.seqs)
-            if blocks > kv.num_free_blocks:
-                return False
-        reused = []
-        for seq in req.seqs:
+        keys = {"cache_salt": req.cache_salt, "adapter_id": req.adapter_id}
+        if len(req.seqs) == 1:
+            seq = req.seqs[0]
             try:
-                tokens = seq.token_ids[:chunk] if len(req.seqs) == 1 else seq.token_ids
-                reused.append(kv.add_sequence(seq.seq_id, tokens))
-            except OutOfBlocksError:  # only a single sequence gets here, so nothing to undo
+                reused = [kv.add_sequence(seq.seq_id, seq.token_ids[:chunk], **keys)]
+            except OutOfBlocksError:
                 return False
+        elif readmission_blocks(kv, req.seqs) > kv.num_free_blocks:  # checked: nothing fails
+            return False
+        else:
+            reused = self._readmit(kv, req, keys)
         if req.metrics.first_scheduled_time is None:
             req.num_cached_tokens = reused[0]
         for seq, r in zip(req.seqs, reused, strict=True):
@@ -101,6 +104,24 @@ class SchedulerOutput:
             )  # fmt: skip
             self.scheduled.append(planned)
         return True
+
+    @staticmethod
+    def _readmit(kv: KVCacheManager, req: Request, keys: dict) -> list[int]:
+        """Blocks for every sequence of a re-admitted request; returns the tokens each reuses.
+        Without prefix caching a sequence shares its sibling's blocks through ``fork_prefix``;
+        with it, ``add_sequence`` finds them in the cache (the sibling's full blocks were just
+        registered) and maybe more of its own."""
+        plan = share_plan(req.seqs, kv.block_size)
+        reused = []
+        for seq, (parent, shared) in zip(req.seqs, plan, strict=True):
+            if parent is None or kv.prefix_cache is not None:
+                reused.append(kv.add_sequence(seq.seq_id, seq.token_ids, **keys))
+                continue
+            kv.fork_prefix(req.seqs[parent].seq_id, seq.seq_id, shared)
+            for t in seq.token_ids[shared:]:
+                kv.append_token(seq.seq_id, t)
+            reused.append(shared)
+        return reused
 
     def add_next_tokens(self, kv: KVCacheManager, req: Request, chunk: int = 1) -> None:
         """Plan each sequence's next ``chunk`` tokens: the newest sampled token (a decode, a

@@ -6,6 +6,24 @@ the counters (prefix-cache tokens, evictions, preemptions, swaps, allocation fai
 running totals since the engine started, so a plot of them is monotone and a difference of two
 steps gives the rate.
 
+Besides the pool and the queues, a StepStats carries what ``engine.metrics``
+(:mod:`pagedlearn.engine.metrics`) keeps across steps: the fewest free blocks seen at the end of
+any step, the prefix-cache hit rate over a recent window, the time preemptions cost, and the
+p50 / p99 time to first token. KV usage is vLLM's ``kv_cache_usage_perc``: the fraction of the
+pool's blocks that a sequence holds (free blocks still holding a cached prefix count as free,
+as in vLLM: they can be taken at once).
+
+What a preemption costs, in seconds (running totals)::
+
+    swap_time      = time in the swap-out and swap-in copies            measured (kv_cache.py)
+    recompute_time = sum over steps of  recomputed_tokens gained in the step
+                     x  forward_time / num_batched_tokens over the steps that prefilled so far
+                                                                        estimated (metrics.py)
+
+(``recomputed_tokens``: the K/V tokens recompute preemptions dropped, counted by the scheduler
+when it preempts; they are computed again as a prefill, so they are priced at a prefill token's
+cost.)
+
 :func:`queue_changes` reads a recording (``engine.record()``) back as the scheduler's decisions:
 which requests each step admitted, swapped back in, preempted or finished -- the paper's policy
 (section 4.5), step by step.
@@ -55,6 +73,19 @@ class StepStats:
     # the blocks sliding windows have handed back so far. One group: {} and 0.
     group_blocks: dict[str, int] = field(default_factory=dict)
     window_freed_blocks: int = 0
+    # the pools' shapes
+    block_size: int = 0
+    num_cpu_blocks: int = 0  # the swap pool (0: none)
+    # what preemptions cost (running totals; see the module docstring)
+    recomputed_tokens: int = 0  # K/V tokens recompute preemptions dropped, to compute again
+    swap_time: float = 0.0  # seconds, measured
+    recompute_time: float = 0.0  # seconds, estimated
+    # across steps (engine.metrics)
+    min_free_blocks: int = 0  # the fewest free blocks at the end of any step so far
+    recent_query_tokens: int = 0  # prefix-cache queried / hit tokens over the last 1,000
+    recent_hit_tokens: int = 0  # steps that queried it (metrics.RECENT_STEPS)
+    ttft_p50: float | None = None  # seconds, over the last 1,000 requests; None before any
+    ttft_p99: float | None = None
 
     @property
     def usage(self) -> float:
@@ -62,9 +93,51 @@ class StepStats:
         return 100.0 * self.used_blocks / self.num_blocks
 
     @property
+    def kv_cache_usage(self) -> float:
+        """vLLM's ``kv_cache_usage_perc``: the same as :attr:`usage`, as a fraction (0..1)."""
+        return self.used_blocks / self.num_blocks
+
+    @property
+    def token_capacity(self) -> int:
+        """Token slots in the pool: num_blocks x block_size (with several KV-cache groups a
+        token takes a slot in each group's blocks)."""
+        return self.num_blocks * self.block_size
+
+    @property
+    def cpu_free_blocks(self) -> int:
+        return self.num_cpu_blocks - self.cpu_used_blocks
+
+    @property
+    def blocks_per_request(self) -> float:
+        """GPU blocks held per running request (a block shared by several counted once)."""
+        return self.used_blocks / self.num_running if self.num_running else 0.0
+
+    @property
+    def preemption_time(self) -> float:
+        """Seconds preemptions cost so far: swap copies (measured) + recompute (estimated)."""
+        return self.swap_time + self.recompute_time
+
+    @property
     def prefix_hit_rate(self) -> float:
         """Percent of prompt tokens served from the prefix cache, so far."""
         return 100.0 * self.prefix_hit_tokens / max(self.prefix_query_tokens, 1)
+
+    @property
+    def prefix_hit_rate_recent(self) -> float:
+        """Percent of prompt tokens served from the prefix cache over the recent window: the
+        last 1,000 steps that queried it (vLLM's log line: the last 1,000 requests)."""
+        return 100.0 * self.recent_hit_tokens / max(self.recent_query_tokens, 1)
+
+    DERIVED: ClassVar[tuple[str, ...]] = (
+        "usage",
+        "kv_cache_usage",
+        "token_capacity",
+        "cpu_free_blocks",
+        "blocks_per_request",
+        "preemption_time",
+        "prefix_hit_rate",
+        "prefix_hit_rate_recent",
+    )
 
     STEP_FIELDS: ClassVar[tuple[str, ...]] = (
         "num_batched_tokens",
@@ -81,8 +154,13 @@ class StepStats:
 
     @classmethod
     def collect(cls, engine, step: dict) -> StepStats:
-        """The engine's queues, pool and counters now, with ``step``'s own numbers (or zeros)."""
+        """The engine's queues, pool and counters now, with ``step``'s own numbers (or zeros),
+        and ``engine.metrics``' windows as of now (it takes this step in with ``observe_step``:
+        ``outputs.publish``)."""
         s, q = engine.kv.stats(), engine.scheduler
+        recomputed = getattr(q, "num_recomputed_tokens", 0)
+        copies = getattr(engine.kv_cache, "copy_seconds", {})
+        metrics = getattr(engine, "metrics", None)
         return cls(
             step=engine.num_steps,
             num_running=len(q.running),
@@ -108,24 +186,51 @@ class StepStats:
             num_failed=engine.num_failed,
             group_blocks=dict(s.get("groups", {})),
             window_freed_blocks=s.get("window_freed_blocks", 0),
+            block_size=s.get("block_size", 0),
+            num_cpu_blocks=s.get("cpu_blocks", 0),
+            recomputed_tokens=recomputed,
+            swap_time=copies.get("swap_out", 0.0) + copies.get("swap_in", 0.0),
+            **(metrics.as_of(s, recomputed, step) if metrics is not None else {}),
         )
 
     def as_dict(self) -> dict:
-        return {**asdict(self), "usage": self.usage, "prefix_hit_rate": self.prefix_hit_rate}
+        """Every field and derived number (JSON-able: a trace file's frames hold it); a p50 /
+        p99 not known yet is left out rather than None."""
+        out = {k: v for k, v in asdict(self).items() if v is not None}
+        return {**out, **{k: getattr(self, k) for k in self.DERIVED}}
 
     def summary(self) -> str:
         """A few lines of text, for the demo and for logs."""
+        cpu = (
+            f"; CPU swap pool: used {self.cpu_used_blocks}/{self.num_cpu_blocks}"
+            if self.num_cpu_blocks
+            else ""
+        )
+        ttft = (
+            f"  time to first token: p50 {self.ttft_p50 * 1e3:.1f} ms, "
+            f"p99 {self.ttft_p99 * 1e3:.1f} ms (last 1,000 requests)\n"
+            if self.ttft_p50 is not None and self.ttft_p99 is not None
+            else ""
+        )
         return (
             f"step {self.step}: running {self.num_running} ({self.num_running_seqs} seqs), "
             f"waiting {self.num_waiting}, swapped {self.num_swapped}\n"
             f"  blocks: used {self.used_blocks}/{self.num_blocks} ({self.usage:.0f}%), "
-            f"free {self.free_blocks} (cached {self.cached_blocks}), "
-            f"in swap {self.cpu_used_blocks}\n"
+            f"free {self.free_blocks} (cached {self.cached_blocks}), fewest free "
+            f"{self.min_free_blocks}; {self.blocks_per_request:.1f} per running request\n"
+            f"  capacity: {self.token_capacity:,} token slots ({self.num_blocks} blocks x "
+            f"{self.block_size}){cpu}\n"
             f"  prefix cache: {self.prefix_hit_tokens}/{self.prefix_query_tokens} prompt tokens "
-            f"hit ({self.prefix_hit_rate:.0f}%), evictions {self.evictions}\n"
-            f"  preemptions: recompute {self.preemptions_recompute}, swap {self.preemptions_swap} "
-            f"(blocks out {self.swap_out_blocks}, in {self.swap_in_blocks}); copy-on-write "
-            f"{self.cow_copies}; allocation failures {self.allocation_failures}\n"
+            f"hit ({self.prefix_hit_rate:.0f}%; recent {self.prefix_hit_rate_recent:.0f}%), "
+            f"evictions {self.evictions}\n"
+            f"  preemptions: recompute {self.preemptions_recompute} ({self.recomputed_tokens} "
+            f"tokens to recompute), swap {self.preemptions_swap} (blocks out "
+            f"{self.swap_out_blocks}, in {self.swap_in_blocks})\n"
+            f"  preemption time: {self.preemption_time * 1e3:.1f} ms (swap copies "
+            f"{self.swap_time * 1e3:.1f} ms, measured; recompute ~{self.recompute_time * 1e3:.1f} "
+            "ms, estimated)\n"
+            f"  copy-on-write {self.cow_copies}; allocation failures {self.allocation_failures}\n"
+            f"{ttft}"
             f"  finished {self.num_finished}, failed {self.num_failed}" + self._groups_line()
         )
 

@@ -55,7 +55,7 @@ from matplotlib.colors import to_hex
 
 from pagedlearn.sim import plots
 from pagedlearn.viz.frame import PoolState, groups_in_order
-from pagedlearn.viz.sources import pool_state
+from pagedlearn.viz.sources import LiveFrames
 
 OKABE_ITO = plots.OKABE_ITO
 REQUEST_COLORS = [c for c in OKABE_ITO if to_hex(c) != "#000000"]  # black: see rule 1 above
@@ -161,9 +161,11 @@ class Palette:
     # --- following a live run -------------------------------------------------------------------
     @classmethod
     def follow(cls, source, **kwargs) -> Palette:
-        """A palette that observes every ``step`` event of ``source`` (a ``KVCacheManager``, an
-        ``LLMEngine`` or an ``LLM``) from now on: create it when you start recording, and the
-        figures you draw with it colour requests as the replay of that recording will."""
+        """A palette that observes every frame of ``source`` (a ``KVCacheManager``, an
+        ``LLMEngine`` or an ``LLM``) from now on -- one per ``step`` event and per prefix-cache
+        reset (:class:`~pagedlearn.viz.sources.LiveFrames`): create it when you start
+        recording, and the figures you draw with it colour requests as the replay of that
+        recording will."""
         engine = getattr(source, "engine", source)
         kv = getattr(engine, "kv", engine)
         if not hasattr(kv, "trace"):
@@ -171,11 +173,12 @@ class Palette:
                 f"Palette.follow needs a KVCacheManager, an LLMEngine or an LLM, got "
                 f"{type(source).__name__}"
             )
-        palette = cls(**kwargs)
+        palette, frames = cls(**kwargs), LiveFrames(kv)
 
         def on_event(e) -> None:
-            if e.kind == "step":
-                palette.observe(pool_state(kv, e.info))
+            state = frames.at(e)
+            if state is not None:
+                palette.observe(state)
 
         palette._unsubscribe = kv.trace.subscribe(on_event)
         return palette

@@ -22,6 +22,11 @@ as the source says them (a coordinator's ``groups``, a recording's ``meta["kv_gr
 guessed from the ids; empty for a one-group model such as GPT-2. :meth:`PoolState.kv_group_of` and
 :meth:`PoolState.seq_of` split a key, and :meth:`PoolState.group_of` -- the *request*, which
 decides the colour -- is the same for a sequence's tables in every group.
+
+**A prefix-cache reset** (``reset_prefix_cache``) gets a frame of its own, drawn at its
+``cache_reset`` event, between two steps: :attr:`PoolState.cache_reset` says how many cached
+blocks it dropped, and :func:`step_label` -- the name every picture and panel gives a frame --
+says so: ``"step 7 (prefix cache reset: 5 cached blocks dropped)"``.
 """
 
 from __future__ import annotations
@@ -89,6 +94,8 @@ class PoolState:
     # The KV-cache groups, in the coordinator's order, when the source has several (its
     # tables are then named "<seq>|<group>"); () for a one-group model.
     kv_groups: tuple[str, ...] = ()
+    # A prefix-cache reset's frame: how many cached blocks it dropped (None: not a reset's).
+    cache_reset: int | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -183,11 +190,23 @@ def aborted(state: PoolState) -> list[str]:
 def step_label(state: PoolState) -> str | None:
     """What every picture and widget calls a frame: ``"step S"``, S the engine's step counter
     (or the ``step=`` a hand-driven manager marked), plus ``" (abort: r)"`` for the extra frame
-    an abort records after step S. ``None`` for a frame marked without a step number."""
+    an abort records after step S, or ``" (prefix cache reset: N cached blocks dropped)"`` for
+    a reset's frame. ``None`` for a frame marked without a step number (a reset's frame is
+    still named by its note)."""
+    note = reset_note(state)
     if state.step is None:
-        return None
+        return note
     names = aborted(state)
-    return f"step {state.step}" + (f" (abort: {', '.join(names)})" if names else "")
+    label = f"step {state.step}" + (f" (abort: {', '.join(names)})" if names else "")
+    return label + (f" ({note})" if note else "")
+
+
+def reset_note(state: PoolState) -> str | None:
+    """``"prefix cache reset: N cached blocks dropped"`` for a reset's frame, else None."""
+    n = state.cache_reset
+    if n is None:
+        return None
+    return f"prefix cache reset: {n} cached block{'' if n == 1 else 's'} dropped"
 
 
 def _request_of(seq_id: Hashable) -> Hashable:

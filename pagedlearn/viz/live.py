@@ -1,16 +1,18 @@
 """Watch the KV blocks move: a live dashboard on a running engine.
 
 :class:`LiveBlockView` subscribes to the engine's event trace and redraws at every ``step``
-event, whoever called ``step()``: the pool picture, a stats line (step, used / cached / free
-blocks, queues, preemptions, CoW copies, prefix hits), the request list (status, sequences,
-tokens and blocks held, finish reason) and a block inspector (click a block, or type its id for
-pools over 128 blocks). The shared parts are in :mod:`pagedlearn.viz.view`; the replay of a
-recorded run, :class:`~pagedlearn.viz.replay.ReplayView`, draws through the same code.
+event, whoever called ``step()``, and at every prefix-cache reset (``llm.reset_prefix_cache()``:
+its frame is named "step S (prefix cache reset: N cached blocks dropped)"): the pool picture, a
+stats line (step, used / cached / free blocks, queues, preemptions, CoW copies, prefix hits),
+the request list (status, sequences, tokens and blocks held, finish reason) and a block
+inspector (click a block, or type its id for pools over 128 blocks). The shared parts are in
+:mod:`pagedlearn.viz.view`; the replay of a recorded run,
+:class:`~pagedlearn.viz.replay.ReplayView`, draws through the same code.
 
 Colours: the view runs the run's colour rule (:mod:`pagedlearn.viz.colors`) over the frames it
-sees, one per ``step`` event. Create it when you start recording (``log = engine.record()``,
-then ``LiveBlockView(llm)``) and it colours every request as the replay of ``log`` does, and as
-every figure drawn from that replay does.
+sees, one per ``step`` event (and reset). Create it when you start recording (``log =
+engine.record()``, then ``LiveBlockView(llm)``) and it colours every request as the replay of
+``log`` does, and as every figure drawn from that replay does.
 
 Play / Pause / Step buttons and a delay slider drive it interactively: Play runs as an asyncio
 task, so the kernel keeps handling clicks; with nothing left to run, Play and Step say how to add
@@ -24,9 +26,10 @@ import contextlib
 
 import ipywidgets as w
 
+from pagedlearn.trace_file import FRAME_KINDS
 from pagedlearn.viz.colors import Palette
 from pagedlearn.viz.panels import RequestBook
-from pagedlearn.viz.state import PoolState, pool_state, step_label
+from pagedlearn.viz.state import LiveFrames, PoolState, pool_state, step_label
 from pagedlearn.viz.view import DPI, MAX_BUTTONS, PoolView
 
 __all__ = ["DPI", "MAX_BUTTONS", "LiveBlockView"]
@@ -82,6 +85,7 @@ class LiveBlockView(PoolView):
         self._widget = self._layout(
             [self.play_button, self.pause_button, self.step_button, self.speed]
         )
+        self._frames = LiveFrames(engine)  # one per step event and per prefix-cache reset
         self._unsubscribe = engine.kv.trace.subscribe(self._on_event)
         # The pool as it is now is not a frame of the run (no step event): a palette of its own
         # colours it, so that the run's own frames decide ``self.palette``, as in its replay.
@@ -91,10 +95,10 @@ class LiveBlockView(PoolView):
         self._draw(state, self._book.update(state))
 
     def _on_event(self, event) -> None:
-        if event.kind != "step":
+        if event.kind not in FRAME_KINDS:
             return
         try:  # a drawing bug must not break the engine's step: show it instead
-            self._show(self.palette.paint(pool_state(self.engine.kv, event.info)))
+            self._show(self.palette.paint(self._frames.at(event)))
         except Exception as exc:
             self._report(exc)
 

@@ -3,6 +3,10 @@
 Both views show them (laid out by :mod:`pagedlearn.viz.view`); each is a pure function of a
 :class:`~pagedlearn.viz.state.PoolState`, so a replay shows the same text the live view showed.
 
+An engine's stats line also shows what an operator watches (engine/metrics.py): KV usage and
+the fewest free blocks seen, the prefix-cache hit rate over a recent window, and the p50 / p99
+time to first token once a request has had one -- each only when the frame carries it.
+
 With several KV-cache groups (a model with sliding-window layers) the stats line adds the blocks
 each group holds and those the sliding windows have handed back so far, the key says what each
 cell's group tag means, the request list counts a request's blocks over all its groups (``7 (F
@@ -94,13 +98,23 @@ def stats_html(state: PoolState) -> str:
     )
     s = state.stats
     if s:
+        # The operator's numbers (engine/metrics.py) when the frame has them: a trace recorded
+        # before they existed has not, and its stats line stays as it was.
+        if "kv_cache_usage" in s and "min_free_blocks" in s:
+            parts.append(
+                f"KV usage: {100 * s['kv_cache_usage']:.0f}%, fewest free {s['min_free_blocks']}"
+            )
+        recent = s.get("prefix_hit_rate_recent")
         parts += [
             f"requests: {s['num_running']} running, {s['num_waiting']} waiting, "
             f"{s['num_swapped']} swapped",
             f"preemptions: {s['preemptions_recompute'] + s['preemptions_swap']}",
             f"CoW copies: {s['cow_copies']}",
-            f"prefix hit rate: {s['prefix_hit_rate']:.1f}%",
+            f"prefix hit rate: {s['prefix_hit_rate']:.1f}%"
+            + ("" if recent is None else f" (recent {recent:.1f}%)"),
         ]
+        if "ttft_p50" in s and "ttft_p99" in s:  # once a request has had its first token
+            parts.append(f"TTFT p50 {1e3 * s['ttft_p50']:.0f} ms, p99 {1e3 * s['ttft_p99']:.0f} ms")
     # KV-cache groups: the engine's numbers when it has them (also once every table is gone),
     # else the frame's own (a coordinator driven by hand); a one-group model has neither.
     held = s.get("group_blocks")

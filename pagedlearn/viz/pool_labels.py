@@ -52,7 +52,8 @@ FIXED_LOOKS = (
 
 def pool_title(state: PoolState) -> str:
     used = state.count("used") + state.count("shared")
-    step = "" if state.step is None else f", {step_label(state)}"
+    label = step_label(state)  # a reset's frame has one without a step number too
+    step = "" if label is None else f", {label}"
     shared = f"{state.count('shared')} shared"
     if state.kv_groups:  # "10 used (F 6 + S 4; 2 shared)": the tags the cells carry
         tags = group_tags(state.kv_groups)

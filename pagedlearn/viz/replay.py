@@ -10,8 +10,8 @@ colour the widget shows it in.
 Numbering, one rule everywhere: a frame is named by the **step** it shows -- the engine's step
 counter (or the ``step=`` a hand-driven manager passed to ``mark_step``) -- in the slider, the
 stats line and every figure title; the extra frame an abort records after step S is "S
-(abort)". ``replay.show(i)`` takes a frame's position in ``replay.frames`` (a Python list, from
-0); ``replay.show_step(S)`` takes a step.
+(abort)", a prefix-cache reset's after step S "S (reset)". ``replay.show(i)`` takes a frame's
+position in ``replay.frames`` (a Python list, from 0); ``replay.show_step(S)`` takes a step.
 """
 
 from __future__ import annotations
@@ -30,11 +30,13 @@ from pagedlearn.viz.view import PoolView
 
 
 def frame_name(state: PoolState, index: int) -> str:
-    """The slider's name for a frame: its step ("7", "5 (abort)"), or "mark i" (counted from 1)
-    for a frame a manager marked without a step number."""
+    """The slider's name for a frame: its step ("7", "5 (abort)", "5 (reset)" for a prefix-cache
+    reset's), or "mark i" (counted from 1) for a frame a manager marked without a step number
+    ("reset i" for a reset's)."""
+    reset = state.cache_reset is not None
     if state.step is None:
-        return f"mark {index + 1}"
-    return f"{state.step}" + (" (abort)" if aborted(state) else "")
+        return f"{'reset' if reset else 'mark'} {index + 1}"
+    return f"{state.step}" + (" (abort)" if aborted(state) else " (reset)" if reset else "")
 
 
 class ReplayView(PoolView):

@@ -9,6 +9,11 @@
 Both go through :func:`build_state`, so they cannot drift apart. A coordinator's tables are read
 under the names its trace gives them, ``"<seq id>|<group>"`` (block_events.py), so that a live
 frame equals its replay. Read-only: nothing here mutates.
+
+A frame is drawn at every ``step`` event and at every ``cache_reset`` (a prefix-cache reset,
+between steps: ``trace_file.FRAME_KINDS``); a reset's frame says what the step before it said
+(:func:`reset_info`) and how many cached blocks the reset dropped. :class:`LiveFrames` builds
+them live from a trace, as the replay does from a recording (``replay_states`` in state.py).
 """
 
 from __future__ import annotations
@@ -31,8 +36,10 @@ def build_state(
     cached_tokens: dict[int, list[int]],
     info: dict[str, Any] | None = None,
     kv_groups: tuple[str, ...] = (),
+    cache_reset: int | None = None,
 ) -> PoolState:
-    """The one constructor both sources go through, so live and replay cannot drift apart."""
+    """The one constructor both sources go through, so live and replay cannot drift apart.
+    ``cache_reset``: the blocks a prefix-cache reset dropped, for a reset's frame."""
     owners: list[list[Hashable]] = [[] for _ in range(num_blocks)]
     fill = [0] * num_blocks
     content: list[tuple[int, ...]] = [()] * num_blocks
@@ -86,13 +93,17 @@ def build_state(
         info.get("step"),
         dict(info.get("stats", {})),
         kv_groups=tuple(kv_groups),
+        cache_reset=cache_reset,
     )
 
 
-def pool_state(source, info: dict[str, Any] | None = None) -> PoolState:
+def pool_state(
+    source, info: dict[str, Any] | None = None, cache_reset: int | None = None
+) -> PoolState:
     """The pool as it is now. ``source``: a ``KVCacheManager``, an ``LLMEngine`` or an ``LLM``
     (these add their requests and stats), or a ``PoolState`` (returned as is). ``info``: what a
-    ``step`` event said (the live view passes it), instead of asking the engine."""
+    ``step`` event said (the live view passes it), instead of asking the engine.
+    ``cache_reset``: the blocks a prefix-cache reset just dropped, for the reset's frame."""
     if isinstance(source, PoolState):
         return source
     engine = getattr(source, "engine", source)
@@ -126,6 +137,7 @@ def pool_state(source, info: dict[str, Any] | None = None) -> PoolState:
         cached_tokens,
         info,
         tuple(g.name for g in getattr(kv, "groups", ())) if hasattr(kv, "group_tables") else (),
+        cache_reset,
     )
 
 
@@ -140,9 +152,14 @@ def _group_tables(kv) -> tuple[dict, dict, dict]:
     return tables, tokens, swapped
 
 
-def state_of_replay(replay, block_size: int, kv_groups: tuple[str, ...] = ()) -> PoolState:
+def state_of_replay(
+    replay, block_size: int, kv_groups: tuple[str, ...] = (), cache_reset: int | None = None
+) -> PoolState:
     """A :class:`~pagedlearn.trace.PoolReplay` (as of a ``step`` event) as a ``PoolState``;
-    ``kv_groups``: the KV-cache groups the recording names (``meta["kv_groups"]``), if any."""
+    ``kv_groups``: the KV-cache groups the recording names (``meta["kv_groups"]``), if any.
+    ``cache_reset``: the replay is as of a ``cache_reset`` event that dropped that many blocks
+    (the frame then says what the last step said: :func:`reset_info`)."""
+    info = replay.step_info if cache_reset is None else reset_info(replay.step_info)
     return build_state(
         len(replay.refcounts),
         block_size,
@@ -151,6 +168,34 @@ def state_of_replay(replay, block_size: int, kv_groups: tuple[str, ...] = ()) ->
         replay.swapped,
         replay.cached,
         replay.cached_tokens,
-        replay.step_info,
+        info,
         kv_groups,
+        cache_reset,
     )
+
+
+def reset_info(step_info: dict[str, Any]) -> dict[str, Any]:
+    """What a prefix-cache reset's frame says besides the blocks: what the last ``step`` event
+    said (its step number, queues and stats: a reset changes none of them), less the requests
+    that finished in that step (they are not finishing again)."""
+    return {k: v for k, v in step_info.items() if k != "finished"}
+
+
+class LiveFrames:
+    """The frames of a live manager (or engine), one per event that makes a frame: call
+    :meth:`at` with every trace event; it returns the ``PoolState`` to draw, or None. The same
+    frames a replay of the recording builds (``replay_states``), so a live view and its replay
+    agree."""
+
+    def __init__(self, source) -> None:
+        engine = getattr(source, "engine", source)
+        self.kv = getattr(engine, "kv", engine)
+        self.last_info: dict[str, Any] = {}  # the last step event's info
+
+    def at(self, event) -> PoolState | None:
+        if event.kind == "step":
+            self.last_info = event.info
+            return pool_state(self.kv, event.info)
+        if event.kind == "cache_reset":
+            return pool_state(self.kv, reset_info(self.last_info), len(event.blocks))
+        return None

@@ -6,7 +6,9 @@ comes from one of two places that must agree:
 - **live**: :func:`pool_state` reads a :class:`~pagedlearn.KVCacheManager` (or an ``LLM`` /
   ``LLMEngine``, which adds its requests and stats) as it is now;
 - **replay**: :func:`replay_states` rebuilds the same thing from a recorded event trace
-  (:class:`~pagedlearn.trace.EventLog`) at every ``step`` event -- no model, no manager.
+  (:class:`~pagedlearn.trace.EventLog`) at every ``step`` event -- no model, no manager -- and
+  at every ``cache_reset`` (a prefix-cache reset between steps gets a frame of its own, which
+  ``step_label`` names: "step 7 (prefix cache reset: 5 cached blocks dropped)").
 
 The tests check that both give equal states at every step of a run, so a lab can hand out a JSON
 trace and students see exactly what the live view showed. Read-only: nothing here mutates.
@@ -21,6 +23,7 @@ everything a drawing reads.
 
 from __future__ import annotations
 
+from pagedlearn.trace_file import FRAME_KINDS
 from pagedlearn.viz.frame import (  # noqa: F401 (re-exported: this module names them all)
     CACHED,
     FREE,
@@ -32,18 +35,22 @@ from pagedlearn.viz.frame import (  # noqa: F401 (re-exported: this module names
     aborted,
     groups_in_order,
     kv_group_order,
+    reset_note,
     step_label,
 )
 from pagedlearn.viz.sources import (  # noqa: F401 (re-exported, as above)
+    LiveFrames,
     build_state,
     pool_state,
+    reset_info,
     state_of_replay,
 )
 
 
 def replay_states(log) -> list[tuple[int, PoolState]]:
-    """Every frame of a recorded run: ``(event index, PoolState)`` at each ``step`` event, each
-    with its colours (``state.colors``: one :class:`~pagedlearn.viz.colors.Palette` observes the
+    """Every frame of a recorded run: ``(event index, PoolState)`` at each ``step`` event (and
+    each ``cache_reset``: a prefix-cache reset's frame, ``state.cache_reset``), each with its
+    colours (``state.colors``: one :class:`~pagedlearn.viz.colors.Palette` observes the
     frames in order, so a request has one colour in every drawing of the run).
 
     ``log`` is an :class:`~pagedlearn.trace.EventLog` (``llm.engine.record()``, or
@@ -62,10 +69,11 @@ def replay_states(log) -> list[tuple[int, PoolState]]:
     replay = PoolReplay(log.meta["num_blocks"], log.meta.get("num_cpu_blocks"))
     palette = Palette()
     frames = []
+    groups = tuple(log.meta.get("kv_groups", ()))  # a coordinator's recording names them
     for e in log.events:
         replay.apply(e)
-        if e.kind == "step":
-            groups = tuple(log.meta.get("kv_groups", ()))  # a coordinator's recording names them
-            state = palette.paint(state_of_replay(replay, log.meta["block_size"], groups))
-            frames.append((e.index, state))
+        if e.kind in FRAME_KINDS:
+            reset = len(e.blocks) if e.kind == "cache_reset" else None
+            state = state_of_replay(replay, log.meta["block_size"], groups, reset)
+            frames.append((e.index, palette.paint(state)))
     return frames

@@ -146,7 +146,8 @@ def draw_block_tables(
                 fig.add_artist(arrow)
 
     if title is None:
-        step = "" if state.step is None else f", {step_label(state)}"
+        label = step_label(state)  # a reset's frame has one without a step number too
+        step = "" if label is None else f", {label}"
         each = ", one table per sequence and KV-cache group" if state.kv_groups else ""
         title = f"Block tables: logical -> physical blocks{each}{step}"
         if notes:

@@ -7,7 +7,8 @@ engine step, i.e. one iteration of continuous batching):
   blocks (free, but still holding a prefix that a later prompt can reuse: the first to be evicted
   when memory runs out) and *free* blocks, out of the pool's ``num_blocks``; a dashed line counts
   the *shared* blocks (refcount > 1: parallel samples, beams, a common prefix) when the source
-  knows them; triangles mark the steps where cached blocks were evicted.
+  knows them; triangles mark the steps where cached blocks were evicted, and a dash-dotted line
+  a prefix-cache reset (``reset_prefix_cache``, after that step: every cached block dropped).
 - **requests** (bottom): how many requests are *running*, *waiting* and *swapped* out; vertical
   lines mark the steps where the scheduler preempted a request because a step could not get a
   block (*recompute*: its blocks are freed and it is prefilled again later; *swap*: its blocks are
@@ -43,6 +44,7 @@ COLORS = {
     "swapped": "#CC79A7",
     "recompute": "#D55E00",
     "swap": "#CC79A7",
+    "reset": "#009E73",
 }
 LABELS = {
     "used": "used",
@@ -55,6 +57,8 @@ LABELS = {
 }
 # Running totals since the engine started; the drawing marks the steps where they grow.
 COUNTERS = ("preemptions_recompute", "preemptions_swap", "evictions")
+# Per frame: a prefix-cache reset's frame (viz/frame.py) counts 1, and the blocks it dropped.
+RESETS = ("cache_resets", "cache_reset_blocks")
 
 
 def timeline_rows(source) -> list[dict]:
@@ -68,9 +72,11 @@ def timeline_rows(source) -> list[dict]:
     ``cached`` blocks are free too, but hold a reusable prefix) and ``shared`` (refcount > 1;
     ``None`` from StepStats, which do not count it); request counts ``running``, ``waiting``,
     ``swapped``; running totals ``preemptions_recompute``, ``preemptions_swap``, ``evictions``,
-    and ``new_<counter>``: how much each total grew since the previous frame. An aborted
-    request adds a frame with the same step number as the step before it (the drawing keeps
-    the last frame of each step).
+    and ``new_<counter>``: how much each total grew since the previous frame; ``cache_resets``
+    (1 for a prefix-cache reset's frame, else 0; always 0 from StepStats, which have no such
+    frame) and ``cache_reset_blocks`` (the cached blocks it dropped). An aborted request, and a
+    reset, add a frame with the same step number as the step before it (the drawing keeps the
+    last frame of each step, with the events of all its frames).
     """
     rows = [_row_of(item, i) for i, item in enumerate(_items(source))]
     # The totals count from the engine's start. A recording that began mid-run cannot say in
@@ -140,6 +146,7 @@ def _row_of(item, index: int) -> dict:
         "waiting": stats["num_waiting"],
         "swapped": stats["num_swapped"],
         **{c: stats.get(c, 0) for c in COUNTERS},
+        **dict.fromkeys(RESETS, 0),
     }
 
 
@@ -167,6 +174,8 @@ def _row_of_state(state: PoolState, index: int) -> dict:
         "waiting": queues[1],
         "swapped": queues[2],
         **{c: stats.get(c, 0) for c in COUNTERS},
+        "cache_resets": int(state.cache_reset is not None),
+        "cache_reset_blocks": state.cache_reset or 0,
     }
 
 
@@ -184,8 +193,9 @@ def draw_memory_timeline(source, *, title: str | None = None) -> Figure:
     """Blocks (top) and requests (bottom) over engine steps, with preemptions and evictions.
 
     ``source``: as :func:`timeline_rows` takes. Returns a matplotlib ``Figure`` (a notebook
-    shows it; ``fig.savefig(path)`` writes it). Preemption and eviction markers appear, with
-    their totals in the legend, only when the run had some.
+    shows it; ``fig.savefig(path)`` writes it). Preemption, eviction and
+    prefix-cache reset markers appear, with their totals in the legend, only when the run had
+    some.
     """
     rows = _one_per_step(timeline_rows(source))
     with matplotlib.rc_context(STYLE):
@@ -200,6 +210,7 @@ def _one_per_step(rows: list[dict]) -> list[dict]:
         before = merged.get(row["step"])
         if before is not None:
             row = {**row, **{f"new_{c}": before[f"new_{c}"] + row[f"new_{c}"] for c in COUNTERS}}
+            row.update({k: before[k] + row[k] for k in RESETS})
         merged[row["step"]] = row
     return list(merged.values())
 
@@ -236,6 +247,15 @@ def _draw(rows: list[dict], title: str | None) -> Figure:
         blocks_ax.plot([s for s, _ in evicted], [num_blocks] * len(evicted), linestyle="none",
                        marker="v", markersize=9, color=COLORS["eviction"], clip_on=False,
                        label=f"cached blocks evicted ({total})")  # fmt: skip
+    resets = [r for r in rows if r["cache_resets"]]
+    if resets:  # after the step: the frame of that step is the pool once the reset is done
+        n = sum(r["cache_resets"] for r in resets)
+        dropped = sum(r["cache_reset_blocks"] for r in resets)
+        blocks_ax.vlines([r["step"] for r in resets], 0, 1,
+                         transform=blocks_ax.get_xaxis_transform(), colors=COLORS["reset"],
+                         linestyles="-.", linewidth=2,
+                         label=f"prefix cache reset{'s' if n > 1 else ''} "
+                               f"({dropped} cached blocks dropped)")  # fmt: skip
     blocks_ax.set_ylim(0, num_blocks)
     blocks_ax.set_ylabel(f"blocks (of {num_blocks})")
     blocks_ax.set_title(title or "Memory timeline: the block pool and the request queues", pad=14)
