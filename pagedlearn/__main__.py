@@ -1,4 +1,5 @@
-"""Command line: ``python -m pagedlearn {demo, blocks, check-env, paper, figures, labs, grade}``.
+"""Command line: ``python -m pagedlearn {demo, blocks, check-env, paper, figures, labs, grade,
+loadtest}``.
 
 Options are checked before any work starts (no model loaded, nothing simulated): a bad number, an
 unknown option, an output directory that cannot be created or written ends at once with the
@@ -78,7 +79,7 @@ def writable_dir(path) -> str | None:
 def build_parser() -> tuple[argparse.ArgumentParser, dict]:
     """The parser, and each (sub)command's own parser by name ("labs export" for nested ones), so
     that an error is reported with the usage of the command it belongs to."""
-    from pagedlearn import block_demo, demo
+    from pagedlearn import block_demo, demo, loadtest_mix
 
     parser = argparse.ArgumentParser(
         prog="python -m pagedlearn",
@@ -178,7 +179,65 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
         "--reference", action="store_true", help="grade the package's own code (full marks)"
     )
     g.add_argument("--json", metavar="PATH", help="write Gradescope's results.json there")
+    lt = command(
+        "loadtest",
+        "drive the engine with a seeded mix of requests that exercises paging; print "
+        "throughput, latencies, pool numbers and [OK]/[FAIL] checks (exit 1: a check failed)",
+    )
+    lt.add_argument(
+        "--model", default="tiny-gpt2", help="tiny-gpt2 (offline, a few seconds), gpt2, a path"
+    )
+    lt.add_argument(
+        "--num-requests",
+        type=int_in(loadtest_mix.MIN_REQUESTS),
+        default=loadtest_mix.DEFAULT_NUM_REQUESTS,
+        help=f"requests in all (at least {loadtest_mix.MIN_REQUESTS}: one of each kind)",
+    )
+    lt.add_argument(
+        "--rate",
+        type=arrival_rate,
+        default=loadtest_mix.DEFAULT_RATE,
+        help="requests per second of the Poisson arrivals, or inf: all at once",
+    )
+    lt.add_argument("--seed", type=int_in(0), default=0, help="seed of the request mix")
+    lt.add_argument(
+        "--block-size",
+        type=int_in(1, demo.MAX_BLOCK_SIZE, "a block longer than the model's context never fills"),
+        default=16,
+        help="tokens per block",
+    )
+    lt.add_argument(
+        "--num-blocks",
+        type=int_in(1),
+        default=None,
+        help="blocks in the pool (default: two full-context sequences, so that the mix "
+        "squeezes it)",
+    )
+    lt.add_argument(
+        "--swap-blocks",
+        type=int_in(1),
+        default=None,
+        help="blocks in the CPU swap pool (default: a quarter of the pool, so that some "
+        "preemptions swap and some, when it is full, recompute)",
+    )
+    lt.add_argument("--json", metavar="PATH", help="write every number and check there (JSON)")
+    lt.add_argument(
+        "--prometheus",
+        metavar="PATH",
+        help="write the engine's metrics there after the run, in Prometheus' text format",
+    )
     return parser, parsers
+
+
+def arrival_rate(text: str) -> float:
+    """An argparse ``type``: requests per second, > 0, or ``inf``."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number or inf, got {text!r}") from None
+    if not value > 0:  # NaN too
+        raise argparse.ArgumentTypeError(f"must be > 0 (or inf: all at once), got {text}")
+    return value
 
 
 def parse(argv: list[str] | None = None):
@@ -197,8 +256,9 @@ def parse(argv: list[str] | None = None):
 
 
 def output_dirs(args, own: argparse.ArgumentParser) -> None:
-    """Settle where ``paper`` / ``figures`` / ``labs export`` / ``grade --json`` write and check
-    that they can, before anything is computed; quick runs default to a temporary directory."""
+    """Settle where ``paper`` / ``figures`` / ``labs export`` / ``grade --json`` / ``loadtest
+    --json --prometheus`` write and check that they can, before anything is computed; quick
+    runs default to a temporary directory."""
     if args.command in ("paper", "figures"):
         option = "--figures" if args.command == "paper" else "--out"
         given = args.figures if args.command == "paper" else args.out
@@ -220,10 +280,13 @@ def output_dirs(args, own: argparse.ArgumentParser) -> None:
         checks = [(option, given)] if given else []
     elif args.command == "labs" and args.labs_command == "export":
         checks = [("DIR", args.dir)]
-    elif args.command == "grade" and args.json:
-        if Path(args.json).is_dir():
-            own.error(f"argument --json: {args.json} is a directory; give a file name")
-        checks = [("--json", Path(args.json).parent)]
+    elif args.command in ("grade", "loadtest"):
+        files = [("--json", args.json), ("--prometheus", getattr(args, "prometheus", None))]
+        checks = []
+        for option, path in files:
+            if path and Path(path).is_dir():
+                own.error(f"argument {option}: {path} is a directory; give a file name")
+            checks += [(option, Path(path).parent)] if path else []
     else:
         checks = []
     for option, path in checks:
@@ -250,6 +313,17 @@ def main(argv: list[str] | None = None) -> int:
         report(quick=args.quick, figures_dir=args.figures)
         return 0
 
+    if args.command == "loadtest":
+        from pagedlearn.errors import PagedLearnError
+        from pagedlearn.loadtest import LoadTestOptionError, cli
+
+        try:
+            return cli(args)
+        except LoadTestOptionError as e:  # the pool against the model's context: a usage error
+            own.error(f"argument --{e.option.replace('_', '-')}: {e}")
+        except PagedLearnError as e:
+            print(f"loadtest stopped: {e}", file=sys.stderr)
+            return 1
     if args.command in ("demo", "blocks"):
         from pagedlearn.demo import OptionError
         from pagedlearn.errors import PagedLearnError

@@ -1,0 +1,226 @@
+"""``python -m pagedlearn loadtest``: drive the engine with the mix that exposes what paging does.
+
+One run sends the requests of loadtest_mix.py to one engine, phase by phase: a Poisson mix, a
+squeeze, and a cold, a warm and a new-version pass over shared prompts. The driver
+(loadtest_driver.py) adds each request at its arrival time, steps the engine, cancels requests
+mid-way, checks the pool's invariants after every step and audits the block trace for
+cross-tenant cache hits (loadtest_checks.py). Between phases the engine runs dry; before the
+cold pass its prefix cache is reset, before the version pass its ``model_version`` changes (it
+is put back at the end).
+
+The pool is squeezed on purpose: by default it holds two full-context sequences, and the swap
+pool a quarter of that, so a preemption swaps while the swap pool has room and falls back to
+recompute when it is full -- both modes in one run (``Scheduler._preempt``).
+
+``run_loadtest`` returns a :class:`~pagedlearn.loadtest_report.LoadTestReport` (the numbers,
+the checks, per-step and per-request series); the command prints its summary, writes every
+number with ``--json`` (and the engine's Prometheus page with ``--prometheus``), and exits 1
+if a check failed. A few seconds on ``tiny-gpt2``; ``--model gpt2`` for users with network.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+from pagedlearn.errors import PagedLearnError
+from pagedlearn.loadtest_driver import Driver
+from pagedlearn.loadtest_mix import (
+    DEFAULT_NUM_REQUESTS,
+    DEFAULT_RATE,
+    PHASES,
+    build_mix,
+    split_counts,
+)
+from pagedlearn.loadtest_report import LoadTestReport, build_report
+
+
+class LoadTestOptionError(PagedLearnError, ValueError):
+    """An argument the load test cannot run with; ``option`` names it (``"num_blocks"``), so
+    that the command line reports it as ``--num-blocks`` with exit code 2."""
+
+    def __init__(self, option: str, message: str) -> None:
+        super().__init__(message)
+        self.option = option
+
+
+def default_pool(max_model_len: int, block_size: int, num_blocks: int | None = None):
+    """``(num_blocks, swap_blocks)``: unless given, two full-context sequences; and a quarter
+    of that in the swap pool.
+
+    >>> default_pool(512, 16), default_pool(512, 16, num_blocks=100)
+    ((64, 16), (100, 25))
+    """
+    if num_blocks is None:
+        num_blocks = 2 * -(-max_model_len // block_size)
+    return num_blocks, max(1, num_blocks // 4)
+
+
+def check_options(num_requests, rate, seed, block_size, num_blocks, swap_blocks) -> None:
+    """Raise :class:`LoadTestOptionError` for an argument no model could run with."""
+    try:
+        split_counts(num_requests)
+    except PagedLearnError as e:
+        raise LoadTestOptionError("num_requests", str(e)) from None
+    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not rate > 0:
+        raise LoadTestOptionError(
+            "rate", f"rate must be > 0 requests/s, or inf (all at once), got {rate!r}"
+        )
+    for name, value in (("seed", seed), ("block_size", block_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < (name != "seed"):
+            raise LoadTestOptionError(name, f"{name} must be an int >= {int(name != 'seed')}")
+    for name, value in (("num_blocks", num_blocks), ("swap_blocks", swap_blocks)):
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int) or value < 1
+        ):
+            raise LoadTestOptionError(name, f"{name} must be None or an int >= 1, got {value!r}")
+
+
+def run_loadtest(
+    llm_or_model="tiny-gpt2",
+    num_requests: int = DEFAULT_NUM_REQUESTS,
+    rate: float = DEFAULT_RATE,
+    seed: int = 0,
+    *,
+    block_size: int = 16,
+    num_blocks: int | None = None,
+    swap_blocks: int | None = None,
+    prometheus: str | os.PathLike | None = None,
+    verbose: bool = False,
+) -> LoadTestReport:
+    """Run the load test; returns its report (``report.ok``: every check passed).
+
+    ``llm_or_model``: a model name for :class:`~pagedlearn.LLM` (built here with prefix caching,
+    swap preemption and the pool of :func:`default_pool` unless ``num_blocks`` / ``swap_blocks``
+    say otherwise), or an idle ``LLM`` to drive as it is (then ``block_size``, ``num_blocks``
+    and ``swap_blocks`` must stay at their defaults). Its prefix cache is reset during the run.
+    ``rate``: requests per second of the Poisson arrivals (``float("inf")``: all at once).
+    ``prometheus``: a file to write the engine's Prometheus page to after the run
+    (:func:`~pagedlearn.engine.prometheus.prometheus_text`); ``verbose``: a line per phase.
+    """
+    check_options(num_requests, rate, seed, block_size, num_blocks, swap_blocks)
+    t_load = time.perf_counter()
+    llm = _llm(llm_or_model, block_size, num_blocks, swap_blocks)
+    engine = llm.engine
+    if engine.has_unfinished_requests():
+        raise PagedLearnError("run_loadtest needs an idle engine; this one has requests queued")
+    if prometheus is not None:
+        from pagedlearn.engine.prometheus import metrics_registry, prometheus_text
+
+        metrics_registry(engine)  # without prometheus_client: its error now, not after the run
+    kv = engine.kv
+    config = {
+        "model": llm.model_name,
+        "num_requests": num_requests,
+        "rate": rate,
+        "seed": seed,
+        "block_size": kv.block_size,
+        "num_blocks": kv.allocator.num_blocks,
+        "swap_blocks": kv.cpu_allocator.num_blocks if kv.cpu_allocator else 0,
+        "preemption_mode": engine.scheduler.preemption_mode,
+        "max_model_len": engine.max_model_len,
+        "load_time": time.perf_counter() - t_load,
+    }
+    specs = build_mix(
+        num_requests,
+        seed,
+        rate,
+        engine.max_model_len,
+        kv.block_size,
+        config["num_blocks"],
+        max(config["swap_blocks"], 1),
+    )
+    driver = Driver(engine)
+    version_before = engine.model_version
+    threads = torch.get_num_threads()
+    # On a CPU, one torch thread (as sim/serving_latency.py times): the offline models' ops are
+    # too small to gain from more, and on a busy machine torch's threads waiting for each other
+    # made a run ten times slower. Put back afterwards.
+    config["torch_threads"] = 1 if llm.device.type == "cpu" else threads
+    torch.set_num_threads(config["torch_threads"])
+    try:
+        for phase in PHASES:
+            if phase == "cold":
+                engine.reset_prefix_cache()  # idle: every request of the earlier phases is done
+            if phase == "version":
+                engine.model_version = f"{version_before}+loadtest"  # new weights, say
+            driver.run_phase(phase, [s for s in specs if s.phase == phase])
+            if verbose:
+                p = driver.phases[phase]
+                print(f"  {phase:<8} {p['requests']:>4} requests in {p['wall_time']:.2f} s")
+    finally:
+        torch.set_num_threads(threads)
+        driver.close()
+        if not engine.has_unfinished_requests():
+            engine.model_version = version_before
+    report = build_report(driver, config)
+    if prometheus is not None:
+        with open(prometheus, "w") as f:
+            f.write(prometheus_text(engine, llm.model_name))
+        report.prometheus = os.fspath(prometheus)
+    return report
+
+
+def _llm(llm_or_model, block_size, num_blocks, swap_blocks):
+    from pagedlearn import LLM
+    from pagedlearn.models import LoadedModel, load
+
+    if isinstance(llm_or_model, LLM):
+        if (block_size, num_blocks, swap_blocks) != (16, None, None):
+            raise LoadTestOptionError(
+                "num_blocks",
+                "give block_size / num_blocks / swap_blocks with a model name, "
+                "not with an LLM: its pool is already built",
+            )
+        return llm_or_model
+    loaded = llm_or_model if isinstance(llm_or_model, LoadedModel) else load(llm_or_model)
+    from pagedlearn.models.runner import max_model_len
+
+    max_len = max_model_len(loaded.model)
+    num_blocks, auto_swap = default_pool(max_len, block_size, num_blocks)
+    need = -(-max_len // block_size) + 1  # a near-limit request, and the watermark's block
+    if num_blocks < need:
+        raise LoadTestOptionError(
+            "num_blocks",
+            f"the mix has prompts near {loaded.name}'s context of {max_len} "
+            f"tokens: they need {need} blocks of {block_size} tokens, more than {num_blocks}",
+        )
+    swap_blocks = auto_swap if swap_blocks is None else swap_blocks
+    return LLM(
+        loaded,
+        block_size=block_size,
+        num_blocks=num_blocks,
+        preemption_mode="swap",
+        swap_blocks=swap_blocks,
+        verbose=False,
+    )
+
+
+def cli(args) -> int:
+    """``python -m pagedlearn loadtest`` once its options parsed: run, print the summary, write
+    ``--json``; 0 if every check passed, else 1. A :class:`LoadTestOptionError` (the pool is
+    too small for the model's context, say) is left to the caller: a usage error."""
+    import json
+
+    print(f"pagedlearn load test: loading {args.model} ...", flush=True)
+    report = run_loadtest(
+        args.model,
+        args.num_requests,
+        args.rate,
+        args.seed,
+        block_size=args.block_size,
+        num_blocks=args.num_blocks,
+        swap_blocks=args.swap_blocks,
+        prometheus=args.prometheus,
+        verbose=True,
+    )
+    print(report.summary())
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report.as_dict(), f, indent=1)
+        print(f"every number: {args.json}")
+    if report.prometheus:
+        print(f"the engine's Prometheus page: {report.prometheus}")
+    return 0 if report.ok else 1
