@@ -145,6 +145,13 @@ def test_each_engine_has_its_own_registry():
     )
 
 
+def test_the_model_name_label_is_the_name_without_its_version():
+    engine = make_llm().engine
+    engine.model_version = "v2"  # the block hashes change; the served model's name does not
+    gpu = {"model_name": "tiny-gpt2", "pool": "gpu"}
+    assert metrics_registry(engine).get_sample_value("pagedlearn_kv_cache_num_blocks", gpu) == 64
+
+
 def test_an_llm_works_too_and_anything_else_is_refused():
     llm = make_llm()
     assert "pagedlearn_num_requests_running" in prometheus_text(llm)

@@ -166,6 +166,12 @@ class LLMEngine:
 
     # --- the prefix cache -----------------------------------------------------------------------
     @property
+    def model_name(self) -> Hashable:
+        """The model's name, as ``LLM`` loaded it (the manager's ``model_id`` without a version):
+        what the metrics' ``model_name`` label says."""
+        return self._model_name
+
+    @property
     def model_version(self) -> Hashable:
         """The weights' version (None: unversioned), in every block hash: the manager's
         ``model_id`` is ``(model name, version)``, or the bare name for None. Set it when the

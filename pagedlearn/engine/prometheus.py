@@ -129,7 +129,7 @@ class EngineCollector:
                 f"metrics come from an LLMEngine (or an LLM), got {type(engine).__name__}"
             )
         self.engine = engine
-        name = getattr(engine.kv, "model_id", None) if model_name is None else model_name
+        name = getattr(engine, "model_name", None) if model_name is None else model_name
         self.model_name = "" if name is None else str(name)
 
     def collect(self):
