@@ -160,7 +160,7 @@ class KVCache:
         # Seconds spent in block copies so far, per kind: what a preemption by swap costs
         # (engine/stats.py). On a GPU the clock waits for the copy (a synchronize), only in a
         # step that copies: the forward after it would wait for the copy anyway.
-        self.copy_seconds = {"swap_out": 0.0, "swap_in": 0.0, "cow": 0.0}
+        self.copy_seconds = {"swap_out": 0.0, "swap_in": 0.0}
 
     @property
     def num_tokens(self) -> int:
@@ -187,10 +187,8 @@ class KVCache:
         """Copy-on-write: block ``src`` -> block ``dst`` for every ``(src, dst)``, K and V, every
         layer. Sources are read before any destination is written (one gather, one scatter)."""
         if pairs:
-            t0 = time.perf_counter()
             src, dst = self._index(pairs, self.device)
             self.slab[:, :, dst] = self.slab[:, :, src]
-            self._timed("cow", t0)
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         """Copy device blocks to the CPU swap pool: ``(device_block, cpu_block)`` pairs."""

@@ -164,9 +164,12 @@ class KVCacheCoordinator:
         self._names[str(child_id)] = child_id
 
     def fork_prefix(self, parent_id: Hashable, child_id: Hashable, num_tokens: int) -> None:
-        """:meth:`KVCacheManager.fork_prefix` in every group (it takes no block, so none can
-        run short; group 0 checks the arguments before any group changes)."""
+        """:meth:`KVCacheManager.fork_prefix` in every group. It takes no block, so none can run
+        short; every group checks first (a sliding group: the window's freed entries), so that
+        a refusal changes nothing."""
         self._check_new(child_id)
+        for m in self.managers:
+            m.check_fork_prefix(parent_id, child_id, num_tokens)
         for m in self.managers:
             m.fork_prefix(parent_id, child_id, num_tokens)
         self._names[str(child_id)] = child_id

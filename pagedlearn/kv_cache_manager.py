@@ -227,9 +227,22 @@ class KVCacheManager:
         scheduler re-admits the samples of a request preempted by recompute this way, so that
         they share their prompt's blocks again (:mod:`pagedlearn.engine.readmission`). Whole
         blocks only, because a shared partly filled block would be copied on the child's first
-        write, before the forward pass has written the parent's part of it."""
+        write, before the forward pass has written the parent's part of it. Raises
+        :class:`PagedLearnError`, changing nothing, when it cannot share them."""
+        self.check_fork_prefix(parent_id, child_id, num_tokens)
         source, bs, n = self._seqs.on_gpu(parent_id), self.block_size, num_tokens
-        self._seqs.check_new(child_id)  # before anything changes
+        k = n // bs
+        prefix = self.block_table_class(
+            bs, source.block_ids[:k], source.token_ids[:n], source.block_hashes[:k]
+        )
+        self.allocator.incref(prefix.live_blocks())
+        self._seqs.add(child_id, prefix, self._seqs.extra_keys[parent_id])
+        self._events.incref(parent_id, child_id, prefix.live_blocks(), prefix=k)
+
+    def check_fork_prefix(self, parent_id: Hashable, child_id: Hashable, num_tokens: int) -> None:
+        """Raise :class:`PagedLearnError` if ``fork_prefix`` would refuse (changes nothing)."""
+        source, bs, n = self._seqs.on_gpu(parent_id), self.block_size, num_tokens
+        self._seqs.check_new(child_id)  # a new id, before anything changes
         if (
             not isinstance(n, int)
             or isinstance(n, bool)
@@ -240,13 +253,6 @@ class KVCacheManager:
                 f"fork_prefix({parent_id!r}, {child_id!r}, {n!r}): num_tokens must be a multiple "
                 f"of block_size {bs} between 0 and the parent's {source.num_tokens} tokens"
             )
-        k = n // bs
-        prefix = self.block_table_class(
-            bs, source.block_ids[:k], source.token_ids[:n], source.block_hashes[:k]
-        )
-        self.allocator.incref(prefix.live_blocks())
-        self._seqs.add(child_id, prefix, self._seqs.extra_keys[parent_id])
-        self._events.incref(parent_id, child_id, prefix.live_blocks(), prefix=k)
 
     def free_sequence(self, seq_id: Hashable) -> None:
         """Return a finished (or aborted) sequence's blocks. Cached blocks stay findable until

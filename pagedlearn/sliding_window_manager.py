@@ -83,6 +83,20 @@ class SlidingWindowManager(KVCacheManager):
         self._counters["window_freed_blocks"] += len(blocks)
         return len(blocks)
 
+    def check_fork_prefix(self, parent_id: Hashable, child_id: Hashable, num_tokens: int) -> None:
+        """The manager's checks, and: the parent's entries that its window freed must be ones the
+        child's next query (at position ``num_tokens``) does not read either -- else the child
+        would share a prefix whose K/V is gone."""
+        super().check_fork_prefix(parent_id, child_id, num_tokens)
+        nulls = self._seqs.on_gpu(parent_id).num_null_blocks
+        allowed = max(0, num_tokens - self.sliding_window + 1) // self.block_size
+        if min(nulls, num_tokens // self.block_size) > allowed:
+            raise PagedLearnError(
+                f"fork_prefix({parent_id!r}, {child_id!r}, {num_tokens}): the window freed "
+                f"{nulls} of the parent's first blocks, but a query at position {num_tokens} "
+                f"still reads all but {allowed} of them"
+            )
+
     def min_blocks_to_run(self, num_tokens: int) -> int:
         """A prompt prefilled a token at a time holds only its window's blocks, at most
         ``ceil(W / block_size) + 1`` (:meth:`KVCacheManager.min_blocks_to_run`)."""

@@ -114,7 +114,8 @@ def test_recent_prefix_hit_rate_is_over_the_last_steps_that_queried(monkeypatch)
 
 def test_recent_prefix_hit_rate_equals_the_cumulative_one_early_on(recompute):
     last = recompute.steps[-1]
-    assert last.prefix_query_tokens > 0 and last.prefix_hit_tokens > 0
+    assert last.prefix_query_tokens > 0  # hits: new prompts' only, what the outputs report
+    assert last.prefix_hit_tokens == sum(o.num_cached_tokens for o in recompute.outs)
     assert last.recent_query_tokens == last.prefix_query_tokens
     assert last.prefix_hit_rate_recent == pytest.approx(last.prefix_hit_rate)
 
@@ -124,7 +125,10 @@ def test_ttft_percentiles_are_the_finished_requests(recompute):
     p = percentiles(ttfts, (50, 99))
     last = recompute.engine.stats()
     assert (last.ttft_p50, last.ttft_p99) == (p[50], p[99])
-    assert recompute.steps[0].ttft_p50 is None and "ttft_p50" not in recompute.steps[0].as_dict()
+    # Recorded in the step that gives a request its first token, not when it finishes.
+    assert recompute.steps[0].ttft_p50 is not None  # the first prefill gave tokens
+    fresh = make_llm().engine.stats()  # no token yet: no percentile, and not in the frame
+    assert fresh.ttft_p50 is None and "ttft_p50" not in fresh.as_dict()
 
 
 def test_stats_go_into_a_trace_file_that_loads_back(recompute):
@@ -140,7 +144,7 @@ def test_stats_go_into_a_trace_file_that_loads_back(recompute):
 
 def test_summary_names_the_new_numbers(recompute, swap):
     text = recompute.engine.stats().summary()
-    for words in ("fewest free", "token slots", "recent", "tokens to recompute", "time to first"):
+    for words in ("fewest free", "capacity", "recent", "tokens recomputed", "time to first"):
         assert words in text
     assert "finished 8, failed 0" in text and "CPU swap pool" not in text
     assert "CPU swap pool: used 0/20" in swap.engine.stats().summary()
@@ -188,7 +192,7 @@ def test_summary_prints_percentiles_once_known():
     m = EngineMetrics()
     assert "(none yet)" in m.summary() and "cached blocks" not in m.summary()
     for r in fake_requests(10):
-        m.observe_request(r)
+        observe_whole(m, r)
     text = m.summary()
     assert "last 10 requests" in text and "(none yet)" not in text.split("lengths")[0]
 
@@ -208,7 +212,7 @@ def test_a_value_counts_in_the_first_bucket_whose_bound_holds_it():
 def test_memory_stays_bounded_over_a_long_life():
     m = EngineMetrics(max_model_len=4096)
     for r in fake_requests(100_000):
-        m.observe_request(r)
+        observe_whole(m, r)
     for i in range(20_000):
         m.observe_step(fake_step(10 * i, 3 * i, running=i % 300, batched=1 + i % 500))
     assert m.ttft.count == m.e2e.count == 100_000 and m.itl.count == 400_000
@@ -274,6 +278,16 @@ def fake_step(queries=0, hits=0, running=1, batched=1, **view):
     )
 
 
+def observe_whole(m: EngineMetrics, req) -> None:
+    """Feed ``m`` as the engine does: each step's tokens as they come, then the finished request."""
+    times = list(req.metrics.token_times)
+    req.metrics.token_times.clear()
+    for t in times:
+        req.metrics.token_times.append(t)
+        m.observe_tokens(req.metrics)
+    m.observe_request(req)
+
+
 def fake_requests(n: int):
     """``n`` finished requests of 5 output tokens each, a step of 20 ms apart."""
     params = SamplingParams(max_tokens=5)
@@ -285,3 +299,15 @@ def fake_requests(n: int):
         seq = Sequence(f"{i}.0", [1] * (10 + i % 7) + [2] * 5, 10 + i % 7, finish_reason="length")
         prompt = seq.token_ids[: seq.num_prompt_tokens]
         yield Request(str(i), None, prompt, params, metrics, i, done=[seq])
+
+
+def test_ttft_and_gaps_are_recorded_while_a_request_runs():
+    """As vLLM records them: a long request shows in the latencies before it ends."""
+    engine = make_llm().engine
+    engine.add_request("long", PROMPTS[1], greedy(50))
+    for _ in range(5):
+        engine.step()
+    assert "long" in engine.requests  # still running
+    assert engine.metrics.ttft.count == 1 and engine.metrics.itl.count == 4
+    assert engine.stats().ttft_p50 == pytest.approx(engine.requests["long"].metrics.ttft)
+    assert engine.metrics.e2e.count == 0  # only when it ends

@@ -93,3 +93,65 @@ def test_fork_prefix_refuses_a_partial_block_and_changes_nothing():
     kv.fork_prefix("a", "b", 8)
     assert kv.block_table("b") == kv.block_table("a")[:2] and kv.num_tokens("b") == 8
     kv.check_invariants()
+
+
+@pytest.mark.parametrize("caching", [False, True])
+def test_recomputed_tokens_are_those_computed_again_and_lookups_stay_apart(caching):
+    """A recompute preemption drops 51 tokens' K/V (48 of prompt, 3 sampled and fed). Back, the
+    request computes again what the prefix cache does not give back: all 51 without caching,
+    3 with it (the prompt's 12 full blocks are found). Its lookup is not a new prompt's: the
+    hit rate's counters leave it out, as vLLM's prefix_cache_queries / _hits do."""
+    e = make_llm(num_blocks=300, enable_prefix_caching=caching).engine
+    e.add_request("r", PROMPT, SamplingParams(max_tokens=12, ignore_eos=True))
+    for _ in range(4):
+        e.step()
+    assert e.kv.num_tokens("r.0") == 51
+    e.scheduler._preempt(e.requests["r"], SchedulerOutput())
+    e.step()  # re-admitted
+    s = e.stats()
+    assert s.recomputed_tokens == (3 if caching else 51)
+    assert (s.prefix_query_tokens, s.prefix_hit_tokens) == ((48, 0) if caching else (0, 0))
+    assert e.kv.stats()["prefix_query_tokens"] == (48 + 52 if caching else 0)  # every lookup
+    while e.has_unfinished_requests():
+        e.step()
+    assert e.stats().recomputed_tokens == s.recomputed_tokens  # counted once
+
+
+def test_a_window_refuses_to_share_a_prefix_whose_kv_it_freed():
+    """fork_prefix would hand the child null entries that its next query still reads."""
+    from pagedlearn.sliding_window_manager import SlidingWindowManager
+
+    kv = SlidingWindowManager(num_blocks=16, block_size=4, sliding_window=6)
+    kv.add_sequence("a", list(range(20)))
+    assert kv.remove_skipped_blocks("a", 20) == 3  # blocks 0-2 left the window of position 20
+    before = kv.stats()
+    with pytest.raises(PagedLearnError, match="still reads"):
+        kv.fork_prefix("a", "b", 8)  # a query at 8 reads positions 3..8: blocks 0 and 1
+    assert kv.stats() == before and "b" not in kv
+    with pytest.raises(PagedLearnError, match="still reads"):
+        kv.fork_prefix("a", "b", 16)  # a query at 16 reads 11..16: block 2 too
+    kv.fork_prefix("a", "b", 20)  # a query at 20 reads 15..20: the nulls are not needed
+    kv.check_invariants()
+
+
+def test_a_fault_before_the_forward_recomputes_nothing_it_never_computed():
+    """Recovery marks only the K/V that existed: a first admission that raised mid-schedule
+    had none, so its next admission counts no recomputed token."""
+    e = make_llm(num_blocks=300, enable_prefix_caching=False).engine
+    e.add_request("a", PROMPT, SamplingParams(max_tokens=3, ignore_eos=True))
+    e.add_request("b", PROMPT, SamplingParams(max_tokens=3, ignore_eos=True))
+    real, calls = e.kv.add_sequence, []
+
+    def add(*args, **kw):
+        calls.append(args[0])
+        if len(calls) == 2:
+            raise RuntimeError("injected")  # b's admission, after a's
+        return real(*args, **kw)
+
+    e.kv.add_sequence = add
+    with pytest.raises(RuntimeError, match="injected"):
+        e.step()
+    del e.kv.add_sequence
+    while e.has_unfinished_requests():
+        e.step()
+    assert e.stats().preemptions_recompute == 1 and e.stats().recomputed_tokens == 0

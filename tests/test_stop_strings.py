@@ -167,3 +167,18 @@ def test_completion_text_is_cut_only_for_a_stop_string():
     assert kept.text == "one. t"
     assert CompletionOutput(0, ids, 0.0, "stop", decode, stop=("!",)).text == "one. two. three"
     assert CompletionOutput(0, ids, 0.0, "length", decode, stop=(". t",)).text.endswith("three")
+
+
+def test_a_stop_string_split_by_special_tokens_is_still_found():
+    """EOS and padding decode to nothing: the window widens until it holds enough text."""
+    from pagedlearn import LLM
+    from pagedlearn.engine.request import Sequence
+
+    e = LLM("tiny-gpt2", num_blocks=16, block_size=4, verbose=False).engine
+    p = SamplingParams(stop=["bc"], ignore_eos=True, max_tokens=100)
+    seq = Sequence("s", list(b"Hi"), 2)
+    reasons = []
+    for tok in [ord("a"), ord("b")] + [e.eos_token_id] * 6 + [ord("c")]:
+        seq.token_ids.append(tok)
+        reasons.append(e._stop_reason(p, seq, tok))
+    assert reasons == [None] * 8 + ["stop"]

@@ -185,7 +185,8 @@ class LLMEngine:
     @model_version.setter
     def model_version(self, version: Hashable) -> None:
         # It enters every block hash by its text (repr): only values whose text is their content.
-        if version is not None and (not isinstance(version, (str, int)) or version is True):
+        textual = isinstance(version, (str, int)) and not isinstance(version, bool)
+        if version is not None and not textual:
             raise PagedLearnError(
                 f"model_version must be hashable as text: a str, an int or None, got {version!r}"
             )
@@ -333,6 +334,7 @@ class LLMEngine:
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now
             req.metrics.token_times.append(now)
+            self.metrics.observe_tokens(req.metrics)  # TTFT or an inter-token gap, now
             if not req.seqs:
                 self.scheduler.remove(req)
                 outputs.append(finish(self, req))

@@ -7,8 +7,9 @@ lately. Every engine has one :class:`EngineMetrics` (``engine.metrics``), always
 
     step ends (outputs.publish) ──> observe_step(stats)     concurrency, tokens per step, the
                                                             windows StepStats reads (as_of)
-    a request ends (outputs.finish) ──> observe_request(req) prompt / output lengths, TTFT,
-                                                            each inter-token gap, E2E, queue time
+    a step gives tokens (_process) ──> observe_tokens(m)     TTFT, each inter-token gap
+    a request ends (outputs.finish) ──> observe_request(req) prompt / output lengths, E2E,
+                                                            queue time
     a block op (opt-in) ──> track_cache_residency()         a cached block's lifetime, idle time
                                                             before eviction, gaps between reuses
 
@@ -39,7 +40,6 @@ import time
 from bisect import bisect_left
 from collections import deque
 from collections.abc import Iterable, Sequence
-from itertools import pairwise
 
 from pagedlearn.errors import PagedLearnError
 
@@ -227,6 +227,17 @@ class EngineMetrics:
         return p50, p99
 
     # --- requests -----------------------------------------------------------------------------
+    def observe_tokens(self, m) -> None:
+        """A step gave a request tokens (``LLMEngine._process``, after it appended ``now`` to
+        the request's ``RequestMetrics.token_times``): its TTFT if these are its first, else the
+        gap since its last tokens -- when they happen, as vLLM records them, so that a long
+        request shows before it ends."""
+        times = m.token_times
+        if len(times) == 1 and m.ttft is not None:
+            self.ttft.observe(m.ttft)
+        elif len(times) > 1:
+            self.itl.observe(times[-1] - times[-2])
+
     def observe_request(self, req) -> None:
         """A request finished (``outputs.finish``): every sequence is in ``req.done``."""
         m = req.metrics
@@ -235,11 +246,6 @@ class EngineMetrics:
         first = min(req.done, key=lambda s: s.index, default=None)
         reason = (first.finish_reason if first else None) or ("error" if req.error else "abort")
         self.finished_by_reason[reason] = self.finished_by_reason.get(reason, 0) + 1
-        if m.ttft is not None:
-            self.ttft.observe(m.ttft)
-        times = m.token_times
-        for a, b in pairwise(times):
-            self.itl.observe(b - a)
         if m.e2e is not None:
             self.e2e.observe(m.e2e)
         if m.first_scheduled_time is not None:

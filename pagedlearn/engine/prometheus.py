@@ -188,7 +188,9 @@ class EngineCollector:
             state=["used", "free", "cached", "used", "free"],
         )
         yield gauge(
-            "kv_cache_token_capacity", "Token slots: blocks x block size.", s.token_capacity
+            "kv_cache_token_capacity",
+            "Tokens the pool holds: blocks x block size / KV-cache groups.",
+            s.token_capacity,
         )
         yield gauge(
             "kv_cache_min_free_blocks", "Fewest free GPU blocks at the end of a step, so far.",
@@ -224,7 +226,8 @@ class EngineCollector:
             [s.swap_out_blocks, s.swap_in_blocks], direction=["out", "in"],
         )  # fmt: skip
         yield counter(
-            "recomputed_tokens", "K/V tokens dropped by recompute preemptions, to compute again.",
+            "recomputed_tokens",
+            "Tokens computed again after a recompute preemption dropped their K/V.",
             s.recomputed_tokens,
         )  # fmt: skip
         yield counter(

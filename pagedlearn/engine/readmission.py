@@ -8,8 +8,10 @@ would grow ``n``-fold just because it was preempted (with prefix caching the cop
 found in the cache, but without it nothing else brings them back together).
 
 So the scheduler re-admits a request's sequences as they were built: the first is prefilled
-whole, and each later one shares the whole blocks of its longest common prefix with an earlier
-sibling (``KVCacheManager.fork_prefix``) and prefills only the rest. Beams that had shared more
+(reusing whatever the prefix cache still holds), and each later one shares the whole blocks of
+its longest common prefix with an earlier sibling (``KVCacheManager.fork_prefix``) and prefills
+only the rest -- by sharing, not by looking the sibling's blocks up in the cache, so that it
+holds even when a group's allocation evicts a cache entry. Beams that had shared more
 than the prompt -- a common ancestor's tokens -- share that much again. Only whole blocks are
 shared (a shared partly filled block would be copied on write before the forward pass fills
 it), and never a sequence's last token: it must be computed to give the logits of its next one.
@@ -45,23 +47,18 @@ def share_plan(seqs: Sequence, block_size: int) -> list[tuple[int | None, int]]:
 
 
 def readmission_blocks(kv, seqs: Sequence) -> int:
-    """Blocks that re-admitting ``seqs`` together takes when they share as :func:`share_plan`
-    says (in every KV-cache group: ``kv.blocks_needed`` counts them all). With prefix caching a
-    sequence may reuse more than its sibling's blocks, never less, so this is an upper bound."""
+    """The most blocks that re-admitting ``seqs`` together may take: each shares with its
+    sibling as :func:`share_plan` says (in every KV-cache group: ``kv.blocks_needed`` counts
+    them all); the first one's prefix-cache hits can only lower that. One exception counts
+    every sequence whole: a sliding window with prefix caching, where the first sequence's
+    cache hits may leave it with freed (null) entries that a sibling still reads -- that
+    sibling then cannot share and is prefilled whole (``fork_prefix`` refuses it)."""
+    if kv.has_sliding_window and kv.prefix_cache is not None:
+        return sum(kv.blocks_needed(len(s.token_ids)) for s in seqs)
     plan = share_plan(seqs, kv.block_size)
     return sum(
         kv.blocks_needed(len(s.token_ids)) - kv.blocks_needed(shared)
         for s, (_, shared) in zip(seqs, plan, strict=True)
-    )
-
-
-def recomputed_tokens(kv, seqs: Sequence) -> int:
-    """Tokens whose K/V a recompute preemption of ``seqs`` drops and their re-admission computes
-    again: each sequence's tokens in the pool, less what it will share with a sibling (the
-    prefix cache may still save some of them; they are counted anyway)."""
-    plan = share_plan(seqs, kv.block_size)
-    return sum(
-        max(kv.num_tokens(s.seq_id) - shared, 0) for s, (_, shared) in zip(seqs, plan, strict=True)
     )
 
 

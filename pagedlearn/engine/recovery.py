@@ -61,7 +61,6 @@ import threading
 from dataclasses import dataclass, field
 
 from pagedlearn.engine.outputs import fail
-from pagedlearn.engine.readmission import recomputed_tokens
 from pagedlearn.engine.request import Request, RequestOutput, RequestStatus
 from pagedlearn.engine.scheduler import SchedulerOutput
 from pagedlearn.errors import PagedLearnError, add_note
@@ -202,8 +201,7 @@ def _roll_back(engine, journal: StepJournal, exc: BaseException) -> Recovery:
         if req is not current and _consistent(engine, req, journal, swapped_copied, hi):
             continue
         q._dequeue(req)
-        live = [s for s in req.seqs if s.seq_id in kv]
-        q.num_recomputed_tokens += recomputed_tokens(kv, live) if live else 0
+        _mark_dropped(req, kv, journal)
         if held := _free(engine, req, hi):
             kv.trace.emit("preempt", (), tuple(held), mode="recompute", reason=reason)
             freed.extend(held)
@@ -240,6 +238,24 @@ def _roll_back(engine, journal: StepJournal, exc: BaseException) -> Recovery:
     outputs = journal.outputs + (journal.finished if journal.phase == "sample" else [])
     engine._undelivered = [o for o in outputs if o.finished] + failed
     return rec
+
+
+def _mark_dropped(req: Request, kv, journal: StepJournal) -> None:
+    """Before ``req``'s blocks go: mark, per sequence, the tokens whose K/V existed (what a
+    re-admission will count as recomputed, scheduler_output.py). A step that stopped before
+    its forward finished computed none of the tokens it planned: the mark is where they start;
+    a sequence re-added this step but not planned yet computed nothing new -- its earlier mark
+    stands. Marks only ever rise."""
+    written = PHASES.index(journal.phase) > PHASES.index("forward")
+    planned = {s.seq.seq_id: s.start_pos for s in journal.sched.scheduled if s.request is req}
+    readmitting = bool(req.kv_dropped)
+    for s in req.seqs:
+        if s.seq_id not in kv:
+            continue
+        n = kv.num_tokens(s.seq_id)
+        if not written:
+            n = planned.get(s.seq_id, 0 if readmitting else n)
+        req.kv_dropped[s.seq_id] = max(req.kv_dropped.get(s.seq_id, 0), n)
 
 
 def _ids(req: Request, hi: int) -> list[str]:

@@ -58,15 +58,22 @@ class Sequence:
         last few tokens with ``decode`` (the engine asks after every sampled token).
 
         Why the tail suffices: asked after every token, a match found now ends in the newest
-        token's text (an earlier one would have ended an earlier step). Every token decodes to
-        at least one byte (byte-level BPE; SentencePiece's byte fallback), so a stop string of B
-        UTF-8 bytes lies within the last B tokens; 4 more cover a character whose bytes began
-        earlier (a window that starts mid-character decodes to a replacement character there)
-        and a tokenizer that drops a leading space at the window's start."""
-        window = max(len(s.encode()) for s in stop) + 4
-        ids = self.token_ids
-        text = decode(ids[max(self.num_prompt_tokens, len(ids) - window) :])
-        return any(s in text for s in stop)
+        token's text (an earlier one would have ended an earlier step), so it lies within the
+        last B UTF-8 bytes of the text, for a stop string of B bytes. The window of tokens
+        decoded grows (doubling) until its text holds B + 4 bytes, or reaches the output's
+        start: a token decodes to at least one byte (byte-level BPE; SentencePiece's byte
+        fallback) unless it is special (EOS, padding: nothing, since the text skips them), and
+        the 4 spare bytes cover a character whose bytes began before the window (decoded as a
+        replacement character there) and a tokenizer that drops a leading space."""
+        need = max(len(s.encode()) for s in stop) + 4
+        ids, start = self.token_ids, self.num_prompt_tokens
+        window = need
+        while True:
+            lo = max(start, len(ids) - window)
+            text = decode(ids[lo:])
+            if lo == start or len(text.encode()) >= need:
+                return any(s in text for s in stop)
+            window *= 2
 
 
 @dataclass
@@ -117,6 +124,9 @@ class Request:
     next_seq_index: int = 0
     error: str | None = None
     num_faults: int = 0  # steps in a row that raised while it was in flight (recovery.py)
+    # Per sequence id: tokens whose K/V a recompute preemption dropped. Planned again below
+    # that position, a token is *recomputed* (SchedulerOutput counts it); emptied once passed.
+    kv_dropped: dict[str, int] = field(default_factory=dict)
     # Extra keys of its blocks' hashes (prefix_cache.py): requests share cached KV only when
     # both are equal (admission.py reads them from the prompt and add_request's arguments).
     cache_salt: Hashable = None
@@ -153,7 +163,8 @@ class CompletionOutput:
     (finish reason "stop") has its ``text`` cut before it (after it, with
     ``include_stop_str_in_output``), while its ``token_ids`` keep every token; a running sample's
     ``text`` holds back its last ``len(longest stop string) - 1`` characters, which may be the
-    start of a stop string that the next token completes.
+    start of a stop string that the next token completes (nothing with
+    ``include_stop_str_in_output``).
     """
 
     index: int

@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import bisect
 
-from pagedlearn.engine.readmission import readmission_blocks, recomputed_tokens
+from pagedlearn.engine.readmission import readmission_blocks
 from pagedlearn.engine.request import Request, RequestStatus
 from pagedlearn.engine.reservation import KV_RESERVATIONS as KV_RESERVATIONS  # (re-exported)
 from pagedlearn.engine.reservation import KVReservation
@@ -83,7 +83,10 @@ class Scheduler:
         self.swapped: list[Request] = []
         self.watermark = max(1, kv.allocator.num_blocks // 100)
         self.num_preemptions = {"recompute": 0, "swap": 0}
-        self.num_recomputed_tokens = 0  # K/V tokens recompute preemptions dropped (readmission.py)
+        # Tokens computed again after a recompute preemption; and the prefix-cache lookups of
+        # re-admissions (their tokens, their hits), which vLLM's hit rate leaves out.
+        self.num_recomputed_tokens = 0
+        self.num_readmit_query_tokens = self.num_readmit_hit_tokens = 0
 
     def add(self, req: Request) -> None:
         self._enqueue(self.waiting, req, RequestStatus.WAITING)
@@ -108,6 +111,9 @@ class Scheduler:
             self._schedule_swapped(out)
             if not self.swapped:
                 self._schedule_waiting(out)
+        self.num_recomputed_tokens += out.recomputed_tokens
+        self.num_readmit_query_tokens += out.readmit_query_tokens
+        self.num_readmit_hit_tokens += out.readmit_hit_tokens
         return out
 
     def _schedule_running(self, out: SchedulerOutput) -> None:
@@ -307,7 +313,7 @@ class Scheduler:
                 self._count_preemption(req, out, "swap")
                 self._enqueue(self.swapped, req, RequestStatus.SWAPPED)
                 return
-        self.num_recomputed_tokens += recomputed_tokens(self.kv, req.seqs)
+        req.kv_dropped = {s.seq_id: self.kv.num_tokens(s.seq_id) for s in req.seqs}
         self._preempt_by_recompute(req, out)
 
     def _count_preemption(self, req: Request, out: SchedulerOutput, mode: str) -> None:

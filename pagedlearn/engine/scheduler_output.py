@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 
 from pagedlearn.engine.readmission import readmission_blocks, share_plan
 from pagedlearn.engine.request import Request, Sequence
-from pagedlearn.errors import OutOfBlocksError
+from pagedlearn.errors import OutOfBlocksError, PagedLearnError
 
 if TYPE_CHECKING:
     from pagedlearn.kv_cache_manager import KVCacheManager
@@ -67,6 +67,11 @@ class SchedulerOutput:
     # Every request whose queue or blocks this step changed, noted *before* the change: if the
     # step raises, the engine rolls these back (recovery.py).
     touched: list[Request] = field(default_factory=list)
+    # Tokens planned again that a recompute preemption had dropped (Request.kv_dropped), and
+    # the prefix-cache lookups of such re-admissions: their tokens and hits.
+    recomputed_tokens: int = 0
+    readmit_query_tokens: int = 0
+    readmit_hit_tokens: int = 0
 
     @property
     def num_batched_tokens(self) -> int:
@@ -90,12 +95,17 @@ class SchedulerOutput:
                 reused = [kv.add_sequence(seq.seq_id, seq.token_ids[:chunk], **keys)]
             except OutOfBlocksError:
                 return False
+            queried = [min(chunk, len(seq.token_ids))]
         elif readmission_blocks(kv, req.seqs) > kv.num_free_blocks:  # checked: nothing fails
             return False
         else:
-            reused = self._readmit(kv, req, keys)
+            reused, queried = self._readmit(kv, req, keys)
         if req.metrics.first_scheduled_time is None:
             req.num_cached_tokens = reused[0]
+        elif req.kv_dropped and kv.prefix_cache is not None:  # back after a recompute
+            # preemption: the manager counted a lookup, which is not a new prompt's
+            self.readmit_query_tokens += sum(queried)
+            self.readmit_hit_tokens += sum(r for r, q in zip(reused, queried, strict=True) if q)
         for seq, r in zip(req.seqs, reused, strict=True):
             n = kv.num_tokens(seq.seq_id)
             planned = ScheduledSequence(
@@ -103,25 +113,52 @@ class SchedulerOutput:
                 kv.block_tables(seq.seq_id), is_prefill=True, samples=n == len(seq.token_ids),
             )  # fmt: skip
             self.scheduled.append(planned)
+        self._count_recomputed(req)
         return True
 
+    def _count_recomputed(self, req: Request) -> None:
+        """Add the tokens just planned below where a recompute preemption dropped their K/V
+        (``req.kv_dropped``): what the preemption really costs, after cache hits and sharing.
+        Once every sequence is past its mark, the request is no longer counted."""
+        if not req.kv_dropped:
+            return
+        behind = False
+        for s in self.scheduled[-len(req.seqs) :]:  # this request's, just planned
+            end = s.start_pos + len(s.new_tokens)
+            dropped = req.kv_dropped.get(s.seq.seq_id, 0)
+            self.recomputed_tokens += max(0, min(end, dropped) - s.start_pos)
+            behind = behind or end < dropped
+        if not behind:
+            req.kv_dropped = {}
+
     @staticmethod
-    def _readmit(kv: KVCacheManager, req: Request, keys: dict) -> list[int]:
-        """Blocks for every sequence of a re-admitted request; returns the tokens each reuses.
-        Without prefix caching a sequence shares its sibling's blocks through ``fork_prefix``;
-        with it, ``add_sequence`` finds them in the cache (the sibling's full blocks were just
-        registered) and maybe more of its own."""
+    def _readmit(kv: KVCacheManager, req: Request, keys: dict) -> tuple[list[int], list[int]]:
+        """Blocks for every sequence of a re-admitted request; returns the tokens each reuses,
+        and the tokens each looked up in the prefix cache. The first sequence (and any that
+        shares no whole block) is added as a prompt, reusing what the prefix cache holds; each
+        other one shares its sibling's whole blocks through ``fork_prefix`` and appends the
+        rest -- the sharing does not depend on the cache, whose entries a group's allocation
+        may evict. Where a sliding window freed entries of the sibling that this sequence still
+        reads, ``fork_prefix`` refuses (changing nothing) and the sequence is added whole;
+        :func:`readmission_blocks` counted blocks for that, so nothing here runs short."""
         plan = share_plan(req.seqs, kv.block_size)
-        reused = []
+        reused, queried = [], []
         for seq, (parent, shared) in zip(req.seqs, plan, strict=True):
-            if parent is None or kv.prefix_cache is not None:
-                reused.append(kv.add_sequence(seq.seq_id, seq.token_ids, **keys))
-                continue
-            kv.fork_prefix(req.seqs[parent].seq_id, seq.seq_id, shared)
-            for t in seq.token_ids[shared:]:
-                kv.append_token(seq.seq_id, t)
-            reused.append(shared)
-        return reused
+            if parent is not None:
+                try:
+                    kv.fork_prefix(req.seqs[parent].seq_id, seq.seq_id, shared)
+                except PagedLearnError:
+                    if not kv.has_sliding_window:  # only a window's freed entries may refuse
+                        raise
+                else:
+                    for t in seq.token_ids[shared:]:
+                        kv.append_token(seq.seq_id, t)
+                    reused.append(shared)
+                    queried.append(0)
+                    continue
+            reused.append(kv.add_sequence(seq.seq_id, seq.token_ids, **keys))
+            queried.append(len(seq.token_ids) if kv.prefix_cache is not None else 0)
+        return reused, queried
 
     def add_next_tokens(self, kv: KVCacheManager, req: Request, chunk: int = 1) -> None:
         """Plan each sequence's next ``chunk`` tokens: the newest sampled token (a decode, a
@@ -140,3 +177,4 @@ class SchedulerOutput:
                 samples=start + chunk == len(seq.token_ids),
             )  # fmt: skip
             self.scheduled.append(planned)
+        self._count_recomputed(req)  # a later chunk of a re-admitted prompt

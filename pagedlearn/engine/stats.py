@@ -20,9 +20,10 @@ What a preemption costs, in seconds (running totals)::
                      x  forward_time / num_batched_tokens over the steps that prefilled so far
                                                                         estimated (metrics.py)
 
-(``recomputed_tokens``: the K/V tokens recompute preemptions dropped, counted by the scheduler
-when it preempts; they are computed again as a prefill, so they are priced at a prefill token's
-cost.)
+(``recomputed_tokens``: the tokens whose K/V a recompute preemption dropped and a later step
+computed again -- counted when they are planned, so a prefix-cache hit or a sibling's shared
+blocks at re-admission are not counted (scheduler_output.py); they are computed as a prefill,
+so they are priced at a prefill token's cost.)
 
 :func:`queue_changes` reads a recording (``engine.record()``) back as the scheduler's decisions:
 which requests each step admitted, swapped back in, preempted or finished -- the paper's policy
@@ -77,7 +78,7 @@ class StepStats:
     block_size: int = 0
     num_cpu_blocks: int = 0  # the swap pool (0: none)
     # what preemptions cost (running totals; see the module docstring)
-    recomputed_tokens: int = 0  # K/V tokens recompute preemptions dropped, to compute again
+    recomputed_tokens: int = 0  # tokens computed again after recompute preemptions dropped them
     swap_time: float = 0.0  # seconds, measured
     recompute_time: float = 0.0  # seconds, estimated
     # across steps (engine.metrics)
@@ -99,9 +100,10 @@ class StepStats:
 
     @property
     def token_capacity(self) -> int:
-        """Token slots in the pool: num_blocks x block_size (with several KV-cache groups a
-        token takes a slot in each group's blocks)."""
-        return self.num_blocks * self.block_size
+        """Tokens the pool holds: num_blocks x block_size -- divided among the KV-cache groups
+        when there are several, since a token takes a slot in each group's blocks (vLLM's
+        rule: ``num_blocks // num_groups * block_size``)."""
+        return self.num_blocks // max(len(self.group_blocks), 1) * self.block_size
 
     @property
     def cpu_free_blocks(self) -> int:
@@ -157,7 +159,11 @@ class StepStats:
         """The engine's queues, pool and counters now, with ``step``'s own numbers (or zeros),
         and ``engine.metrics``' windows as of now (it takes this step in with ``observe_step``:
         ``outputs.publish``)."""
-        s, q = engine.kv.stats(), engine.scheduler
+        s, q = dict(engine.kv.stats()), engine.scheduler
+        # A re-admitted request's lookup is not a new prompt's: vLLM's prefix_cache_queries and
+        # _hits leave preempted requests out, and so do these (the manager counts every lookup).
+        s["prefix_query_tokens"] -= getattr(q, "num_readmit_query_tokens", 0)
+        s["prefix_hit_tokens"] -= getattr(q, "num_readmit_hit_tokens", 0)
         recomputed = getattr(q, "num_recomputed_tokens", 0)
         copies = getattr(engine.kv_cache, "copy_seconds", {})
         metrics = getattr(engine, "metrics", None)
@@ -218,13 +224,13 @@ class StepStats:
             f"  blocks: used {self.used_blocks}/{self.num_blocks} ({self.usage:.0f}%), "
             f"free {self.free_blocks} (cached {self.cached_blocks}), fewest free "
             f"{self.min_free_blocks}; {self.blocks_per_request:.1f} per running request\n"
-            f"  capacity: {self.token_capacity:,} token slots ({self.num_blocks} blocks x "
-            f"{self.block_size}){cpu}\n"
+            f"  capacity: {self.token_capacity:,} tokens ({self.num_blocks} blocks x "
+            f"{self.block_size}{self._per_group()}){cpu}\n"
             f"  prefix cache: {self.prefix_hit_tokens}/{self.prefix_query_tokens} prompt tokens "
             f"hit ({self.prefix_hit_rate:.0f}%; recent {self.prefix_hit_rate_recent:.0f}%), "
             f"evictions {self.evictions}\n"
             f"  preemptions: recompute {self.preemptions_recompute} ({self.recomputed_tokens} "
-            f"tokens to recompute), swap {self.preemptions_swap} (blocks out "
+            f"tokens recomputed), swap {self.preemptions_swap} (blocks out "
             f"{self.swap_out_blocks}, in {self.swap_in_blocks})\n"
             f"  preemption time: {self.preemption_time * 1e3:.1f} ms (swap copies "
             f"{self.swap_time * 1e3:.1f} ms, measured; recompute ~{self.recompute_time * 1e3:.1f} "
@@ -233,6 +239,10 @@ class StepStats:
             f"{ttft}"
             f"  finished {self.num_finished}, failed {self.num_failed}" + self._groups_line()
         )
+
+    def _per_group(self) -> str:
+        groups = len(self.group_blocks)
+        return f" / {groups} KV-cache groups" if groups > 1 else ""
 
     def _groups_line(self) -> str:
         if not self.group_blocks:
