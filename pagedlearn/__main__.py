@@ -182,7 +182,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
     lt = command(
         "loadtest",
         "drive the engine with a seeded mix of requests that exercises paging; print "
-        "throughput, latencies, pool numbers and [OK]/[FAIL] checks (exit 1: a check failed)",
+        "throughput, latencies, pool numbers and [OK]/[FAIL] checks (exit 1: a correctness "
+        "check failed; [--]: something the options could not exercise, exit 0)",
     )
     lt.add_argument(
         "--model", default="tiny-gpt2", help="tiny-gpt2 (offline, a few seconds), gpt2, a path"

@@ -7,7 +7,8 @@
   ``free`` changes nothing: a freed block stays findable. A ``cache_hit`` on ``b`` by a
   sequence of another tenant is a violation; so is a hit on a block with no recorded store
   (nobody can vouch for it), and a fork (``incref``) between two tenants. Every other hit is a
-  same-tenant hit: a run must see some, or the check proved nothing. A block handed out fresh
+  same-tenant hit: a run must see some, or the isolation check judged nothing (a coverage
+  check). A block handed out fresh
   (``allocate``, a ``cow_copy``'s destination) loses its owner too, so that a stale cache
   entry -- a hash still pointing at a block that now holds other data -- shows up as an
   unowned hit. (Not ``swap_in``: the samples of a request swap in together, and each one's
@@ -20,8 +21,8 @@
   counting each block once however many sequences share it (a shared block holds the most
   tokens any of its holders has written into it). Only a sequence's last block can be partly
   empty, so the waste of one sequence is below ``block_size / its tokens``.
-- :class:`Check`: one line of the verdict, ``[OK]`` or ``[FAIL]`` with its numbers;
-  :func:`verdicts`: the load test's checks.
+
+The verdicts that read them -- ``[OK]`` / ``[FAIL]`` / ``[--]`` -- are in loadtest_verdicts.py.
 
 >>> from pagedlearn.trace import Event
 >>> tenant = {"a": ("salt", "a"), "b": ("salt", "b")}.get
@@ -35,9 +36,7 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass
 
 from pagedlearn.block_events import split_group_seq_id
 from pagedlearn.block_table import NULL_BLOCK
@@ -136,95 +135,3 @@ def kv_waste(kv) -> tuple[int, int]:
                 if b != NULL_BLOCK:  # a block a sliding window has let go
                     filled[b] = max(filled.get(b, 0), min(bs, n - j * bs))
     return sum(filled.values()), len(filled) * bs
-
-
-def percent(x: float | None) -> str:
-    """``0.25`` -> ``"25.0%"``; None or NaN (nothing to divide) -> ``"n/a"``."""
-    return "n/a" if x is None or math.isnan(x) else f"{100 * x:.1f}%"
-
-
-@dataclass(frozen=True)
-class Check:
-    """One verdict: ``name`` says what must hold, ``detail`` the numbers behind it."""
-
-    name: str
-    ok: bool
-    detail: str
-
-    def line(self) -> str:
-        return f"  [{'OK' if self.ok else 'FAIL'}] {self.name}: {self.detail}"
-
-    def as_dict(self) -> dict:
-        return {"name": self.name, "ok": self.ok, "detail": self.detail}
-
-
-def verdicts(driver, report, end, kv) -> list[Check]:
-    """The checks of a finished run, from what the driver kept (loadtest_driver.Driver), the
-    report's numbers (loadtest_report.py), the engine's stats at the end (``end``) and its
-    manager (``kv``)."""
-    cnt, pool, pc = report.counts, report.pool, report.prefix_cache
-    expected = {rid for rid, s in driver.specs.items() if s.expect_reject}
-    rejected_ok = set(driver.rejected) == expected
-    held = kv.sequences() + kv.swapped_sequences()
-    rates = pc["phase_hit_rate"]
-    missing = [k for k, n in cnt["kinds"].items() if not n]
-    missing += [k for k in ("stopped_early", "to_max_tokens", "cancelled") if not cnt[k]]
-    missing += ["several tenants"] * (cnt["tenants"] < 2) + ["two model versions"] * (
-        cnt["model_versions"] < 2
-    )
-    first_violation = f"; first: {pc['violations'][0]}" if pc["violations"] else ""
-    return [
-        Check(
-            "every request finished or was cancelled",
-            cnt["lost"] == 0 and cnt["failed"] == 0 and rejected_ok,
-            f"{cnt['sent']} sent: {cnt['finished']} finished ({cnt['stopped_early']} stopped "
-            f"early, {cnt['to_max_tokens']} ran to max_tokens), {cnt['cancelled']} cancelled, "
-            f"{cnt['rejected']} rejected ({len(expected)} on purpose), {cnt['failed']} failed, "
-            f"{cnt['lost']} lost",
-        ),
-        Check(
-            "every block came back",
-            end.used_blocks == 0
-            and end.cpu_used_blocks == 0
-            and not held
-            and end.free_blocks == end.num_blocks,
-            f"GPU used {end.used_blocks}, free {end.free_blocks} of {end.num_blocks} (cached "
-            f"{end.cached_blocks}); swap pool used {end.cpu_used_blocks}; sequences left "
-            f"{len(held)}",
-        ),
-        Check(
-            "the invariants held after every step",
-            not driver.invariant_errors and driver.invariant_checks >= pool["steps"] > 0,
-            f"checked {driver.invariant_checks} times (every step and cancel), "
-            f"{len(driver.invariant_errors)} broken"
-            + (f"; first: {driver.invariant_errors[0]}" if driver.invariant_errors else ""),
-        ),
-        Check(
-            "no request hit another tenant's cache entry",
-            pc["cross_tenant_hit_blocks"] == 0
-            and pc["same_tenant_hit_blocks"] > 0
-            and cnt["shared_across_tenants"] > 0,
-            f"{pc['cross_tenant_hit_blocks']} blocks shared across tenants, "
-            f"{pc['same_tenant_hit_blocks']} hit within a tenant (trace audit; "
-            f"{cnt['shared_across_tenants']} prompts sent by several tenants){first_violation}",
-        ),
-        Check(
-            "preemptions by swap and by recompute",
-            pool["preemptions_swap"] > 0 and pool["preemptions_recompute"] > 0,
-            f"swap {pool['preemptions_swap']}, recompute {pool['preemptions_recompute']}",
-        ),
-        Check(
-            "prefix cache cold, then warm",
-            rates["warm"] > rates["cold"] and rates["warm"] > rates["version"],
-            f"hit rate cold {percent(rates['cold'])}, warm {percent(rates['warm'])}, after the "
-            f"model version changed {percent(rates['version'])}",
-        ),
-        Check(
-            "the whole mix happened",
-            not missing,
-            "missing: " + ", ".join(missing)
-            if missing
-            else ", ".join(f"{k} {n}" for k, n in cnt["kinds"].items())
-            + f", tenants {cnt['tenants']}, model versions {cnt['model_versions']}",
-        ),
-    ]

@@ -113,6 +113,39 @@ def split_counts(num_requests: int) -> dict[str, int]:
     return {"mix": mix, "squeeze": squeeze, "cold": passes, "warm": passes, "version": passes}
 
 
+def default_pool(max_model_len: int, block_size: int, num_blocks: int | None = None):
+    """``(num_blocks, swap_blocks)``: unless given, two full-context sequences; and a quarter
+    of that in the swap pool.
+
+    >>> default_pool(512, 16), default_pool(512, 16, num_blocks=100)
+    ((64, 16), (100, 25))
+    """
+    if num_blocks is None:
+        num_blocks = 2 * -(-max_model_len // block_size)
+    return num_blocks, max(1, num_blocks // 4)
+
+
+def min_context(block_size: int) -> int:
+    """The shortest context (tokens) the mix runs in with blocks of ``block_size`` tokens: a
+    shared system prompt of :data:`SYSTEM_BLOCKS` blocks, a suffix of up to a block, a block's
+    slack, and 32 tokens of output.
+
+    >>> min_context(16), min_context(64), min_context(128)  # the offline models have 512
+    (128, 416, 800)
+    """
+    return (SYSTEM_BLOCKS + 2) * block_size + 2 * 16
+
+
+def too_short(max_model_len: int, block_size: int) -> str:
+    """Why a context of ``max_model_len`` tokens cannot hold the mix at this block size."""
+    return (
+        f"a context of {max_model_len} tokens is too short for the mix with blocks of "
+        f"{block_size} tokens: a shared system prompt of {SYSTEM_BLOCKS} blocks, its suffix "
+        f"and output need {min_context(block_size)}; the largest block size that fits is "
+        f"{(max_model_len - 32) // (SYSTEM_BLOCKS + 2)}"
+    )
+
+
 def poisson_arrivals(rng: random.Random, count: int, rate: float) -> list[float]:
     """``count`` arrival times of a Poisson process of ``rate`` per second (exponential gaps,
     the first one included); all 0.0 for ``rate = inf`` (everything at once)."""
@@ -138,13 +171,8 @@ def build_mix(
     to the pool (``num_blocks``) and the swap pool (``swap_blocks``)."""
     if not rate > 0:  # also refuses NaN
         raise PagedLearnError(f"rate must be > 0 requests/s (or inf: all at once), got {rate!r}")
-    need = (SYSTEM_BLOCKS + 2) * block_size + 2 * 16  # a system prompt, a suffix, the output
-    if max_model_len < need:
-        raise PagedLearnError(
-            f"the model's context ({max_model_len} tokens) is too short for the mix: a shared "
-            f"system prompt of {SYSTEM_BLOCKS} blocks of {block_size} tokens and its output "
-            f"need {need}; use a smaller block size"
-        )
+    if max_model_len < min_context(block_size):
+        raise PagedLearnError(too_short(max_model_len, block_size))
     counts = split_counts(num_requests)
     rng = random.Random(seed)
     systems = [_tokens(rng, SYSTEM_BLOCKS * block_size) for _ in range(NUM_SYSTEM_PROMPTS)]
@@ -208,7 +236,9 @@ class _Maker:
                 max_tokens, cancel_after = 48, rng.randint(2, 12)
             salt = adapter = system = None
             if prompt == "short":
-                tokens = _tokens(rng, rng.randint(2, 2 * bs - 1))
+                # 2 .. 2 blocks - 1 tokens (one token with blocks of one: the draw stays
+                # the same for every other block size, so that a seed keeps its requests)
+                tokens = _tokens(rng, rng.randint(min(2, 2 * bs - 1), 2 * bs - 1))
             elif prompt == "near-limit":
                 tokens = _tokens(rng, self.max_len - max_tokens - rng.randrange(bs))
             else:  # two in a row per (system prompt, tenant): same-tenant sharing; then the

@@ -3,7 +3,9 @@
 :func:`build_report` reads what the driver (loadtest_driver.py) kept and computes
 
 - **throughput**: output tokens (every sample's, cancelled requests' included) and completed
-  requests (finished or cancelled) per second of the run's wall time (model load excluded);
+  requests (finished or cancelled) per second of the run's wall time (model load excluded).
+  At a finite rate the arrivals set the pace (the summary says so): ``rate=inf`` measures the
+  engine;
 - **pool**: peak concurrency (running sequences after a step), the fewest free blocks after a
   step (cached free blocks count as free: the allocator hands them out), KV waste (mean over
   the steps that left blocks held, and max; the formula is in loadtest_checks.py),
@@ -13,39 +15,53 @@
 - **latency**, the client's view from each request's scheduled arrival: TTFT (to the first
   token) of every request that got one, ITL (every gap between two steps that gave a request
   tokens), E2E (to the end) of the requests that finished; p50 / p90 / p99 in seconds;
-- **checks** (:class:`~pagedlearn.loadtest_checks.Check`): nothing lost, every block back,
-  the invariants after every step, no cross-tenant hit (and some same-tenant ones), both
-  preemption modes, cold then warm, the whole mix.
+- **counts**: requests by outcome (``stuck``: still in the engine when its phase hit its bound
+  on steps, aborted); ``kinds``: the prompt kinds and the squeeze *as sent*, and ``parallel``
+  *as observed* (outputs that came back with more than one sample); tenants and model versions
+  of the requests that were served;
+- **checks** (:class:`~pagedlearn.loadtest_verdicts.Check`, loadtest_verdicts.py): correctness
+  (nothing lost, every block back, the invariants, no cross-tenant hit, no hit after a reset
+  or a new model version) and coverage (both preemption modes, a warm hit, same-tenant hits,
+  the whole mix); ``ok``: the correctness checks passed, ``complete``: all of them;
+- **engine**: the engine's own :class:`~pagedlearn.engine.stats.StepStats` at the end
+  (``as_dict()``: the numbers its dashboard shows) and ``engine_metrics``, the percentiles of
+  ``engine.metrics`` (over the engine's life: with an ``LLM`` that served before, not only
+  this run).
 
 ``report.series`` holds one entry per step (time, phase, free / cached / used / swapped
 blocks, running sequences, queues, KV waste) and ``report.requests`` one record per request
-(its kinds, tenant, outcome, TTFT, ITL gaps, E2E, preemptions, cached tokens), so that a
-notebook can plot latency tails against the pool's free blocks across runs.
+(its kinds, tenant, outcome, arrival and end in the series' time, TTFT, ITL gaps, E2E,
+preemptions, cached tokens), so that a notebook can plot latency tails against the pool's free
+blocks across runs (loadtest_tails.py).
 """
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections import Counter
 from dataclasses import dataclass, field
 
 from pagedlearn.engine.metrics import percentiles
-from pagedlearn.loadtest_checks import Check, percent, verdicts
+from pagedlearn.loadtest_verdicts import CORRECTNESS, Check, percent, verdicts
 
 QS = (50, 90, 99)
 # The top-level keys of ``LoadTestReport.as_dict()`` (what ``--json`` writes).
-JSON_KEYS = ("config", "wall_time", "ok", "checks", "counts", "throughput", "pool",
-             "prefix_cache", "latency", "phases", "series", "requests", "prometheus")  # fmt: skip
+JSON_KEYS = ("config", "wall_time", "ok", "complete", "checks", "counts", "throughput", "pool",
+             "prefix_cache", "latency", "phases", "engine", "engine_metrics", "series",
+             "requests", "prometheus")  # fmt: skip
 MIX_KINDS = ("short", "near-limit", "shared", "unique", "parallel", "squeeze")
+# engine.metrics' distributions copied into the report (p50 / p90 / p99 and count)
+ENGINE_METRICS = ("ttft", "itl", "e2e", "queue_time", "prompt_tokens", "generation_tokens",
+                  "running_seqs", "iteration_tokens")  # fmt: skip
 
 
 @dataclass
 class LoadTestReport:
     """One run: ``config`` (model, pool, arguments), ``wall_time`` (seconds, model load
     excluded), the numbers by topic (dicts; see the module docstring), ``checks``, the
-    per-step ``series`` and per-request ``requests``. ``summary()`` is what the command prints,
-    ``as_dict()`` what ``--json`` writes (the keys: :data:`JSON_KEYS`)."""
+    per-step ``series`` and per-request ``requests``, the engine's own numbers (``engine``,
+    ``engine_metrics``). ``summary()`` is what the command prints, ``as_dict()`` what
+    ``--json`` writes (the keys: :data:`JSON_KEYS`)."""
 
     config: dict
     wall_time: float
@@ -59,21 +75,36 @@ class LoadTestReport:
     series: dict = field(repr=False)
     requests: list[dict] = field(repr=False)
     prometheus: str | None = None  # where the Prometheus exposition was written, if it was
+    engine: dict = field(default_factory=dict, repr=False)  # StepStats.as_dict() at the end
+    engine_metrics: dict = field(default_factory=dict, repr=False)  # name -> p50 / p90 / p99
 
     @property
     def ok(self) -> bool:
+        """Every correctness check passed: nothing lost, leaked, broken or shared."""
+        return all(c.ok for c in self.checks if c.kind == CORRECTNESS)
+
+    @property
+    def complete(self) -> bool:
+        """Every check passed, the coverage checks too: the run exercised all it meant to."""
         return all(c.ok for c in self.checks)
 
     def as_dict(self) -> dict:
         """Every number, JSON-able (NaN -> None)."""
-        d = {k: getattr(self, k) for k in JSON_KEYS if k not in ("ok", "checks")}
-        d["ok"], d["checks"] = self.ok, [c.as_dict() for c in self.checks]
+        d = {k: getattr(self, k) for k in JSON_KEYS if k not in ("ok", "complete", "checks")}
+        d["ok"], d["complete"] = self.ok, self.complete
+        d["checks"] = [c.as_dict() for c in self.checks]
         return _json_safe(d)
 
     def summary(self) -> str:
         c, cnt, pool, pc = self.config, self.counts, self.pool, self.prefix_cache
         phase = pc["phase_hit_rate"]
         rate = "all at once" if c["rate"] == math.inf else f"Poisson arrivals at {c['rate']:g}/s"
+        pace = (
+            "all at once: the engine's pace"
+            if c["rate"] == math.inf
+            else f"paced by arrivals at {c['rate']:g}/s; --rate inf measures the engine"
+        )
+        kinds = cnt["kinds"]
         lines = [
             f"pagedlearn load test: {c['model']}, {c['num_requests']} requests (seed "
             f"{c['seed']}), {rate}",
@@ -83,14 +114,16 @@ class LoadTestReport:
             + ", ".join(
                 f"{k} {p['requests']} ({p['wall_time']:.2f} s)" for k, p in self.phases.items()
             ),
-            "requests: "
-            + ", ".join(f"{k} {cnt['kinds'][k]}" for k in MIX_KINDS)
-            + f"; stopped early {cnt['stopped_early']}, ran to max_tokens "
-            f"{cnt['to_max_tokens']}, cancelled {cnt['cancelled']}, rejected {cnt['rejected']} "
-            f"(on purpose); tenants {cnt['tenants']}, model versions {cnt['model_versions']}",
+            "requests sent: "
+            + ", ".join(f"{k} {kinds[k]}" for k in MIX_KINDS if k != "parallel")
+            + f"; observed: parallel {kinds['parallel']} (n > 1 samples back), stopped early "
+            f"{cnt['stopped_early']}, ran to max_tokens {cnt['to_max_tokens']}, cancelled "
+            f"{cnt['cancelled']}, rejected {cnt['rejected']} (on purpose), stuck "
+            f"{cnt['stuck']}; tenants {cnt['tenants']}, model versions {cnt['model_versions']}",
             f"throughput: {self.throughput['output_tokens']:,} output tokens in "
             f"{self.wall_time:.2f} s = {self.throughput['output_tokens_per_s']:,.0f} tokens/s, "
-            f"{self.throughput['requests_per_s']:.1f} requests/s (finished or cancelled)",
+            f"{self.throughput['requests_per_s']:.1f} requests/s (finished or cancelled; "
+            f"{pace})",
             f"pool: peak {pool['peak_running_seqs']} running sequences, min free blocks "
             f"{pool['min_free_blocks']} of {c['num_blocks']}, KV waste mean "
             f"{percent(pool['kv_waste_mean'])} max {percent(pool['kv_waste_max'])} "
@@ -111,9 +144,18 @@ class LoadTestReport:
             lines.append(f"  {name.upper():<12} {ms}   {d['count']}")
         lines.append("checks:")
         lines += [ch.line() for ch in self.checks]
+        missed = sum(not ch.ok for ch in self.checks) if self.ok else 0
+        verdict = (
+            "SOME CHECKS FAILED"
+            if not self.ok
+            else "all checks passed"
+            if self.complete
+            else f"every correctness check passed; {missed} not exercised ([--]: the options "
+            "could not show it)"
+        )
         lines.append(
-            f"{'all checks passed' if self.ok else 'SOME CHECKS FAILED'}; wall time "
-            f"{self.wall_time:.2f} s (+ {c['load_time']:.2f} s loading the model)"
+            f"{verdict}; wall time {self.wall_time:.2f} s (+ {c['load_time']:.2f} s loading "
+            "the model)"
         )
         return "\n".join(lines)
 
@@ -121,10 +163,14 @@ class LoadTestReport:
 def build_report(driver, config: dict) -> LoadTestReport:
     """The report of a finished run (``driver``: loadtest.Driver, closed)."""
     engine, end = driver.engine, driver.engine.stats()
-    requests = [_request_record(driver, rid) for rid in driver.specs]
+    requests = [driver.record(rid) for rid in driver.specs]
     outcomes = Counter(r["outcome"] for r in requests)
-    kinds = Counter(k for s in driver.specs.values() for k in s.kinds)
-    tenants = set(driver.tenant.values())
+    kinds = Counter(k for s in driver.specs.values() for k in s.kinds)  # as sent
+    # Observed: outputs that came back with several samples (a parallel request that lost
+    # its samples, or came back with one, does not count).
+    kinds["parallel"] = sum(r["samples"] > 1 for r in requests)
+    served = [r for r in requests if r["outcome"] in ("stopped", "length", "cancelled")]
+    tenants = {tuple(r["tenant"]) for r in served}
     counts = {
         "sent": len(requests),
         "finished": outcomes["stopped"] + outcomes["length"],
@@ -134,6 +180,7 @@ def build_report(driver, config: dict) -> LoadTestReport:
         "rejected": outcomes["rejected"],
         "failed": outcomes["error"],
         "lost": outcomes["lost"],
+        "stuck": outcomes["stuck"],
         "kinds": {k: kinds[k] for k in MIX_KINDS},
         "samples": dict(Counter(f for r in requests for f in r["finish_reasons"])),
         "tenants": len({t[:2] for t in tenants}),
@@ -187,52 +234,11 @@ def build_report(driver, config: dict) -> LoadTestReport:
         [],
         dict(driver.series),
         requests,
+        engine=end.as_dict(),
+        engine_metrics=_engine_metrics(engine),
     )
     report.checks = verdicts(driver, report, end, engine.kv)
     return report
-
-
-def _request_record(driver, rid: str) -> dict:
-    spec, out = driver.specs[rid], driver.final.get(rid)
-    record = {
-        "id": rid,
-        "phase": spec.phase,
-        "kinds": sorted(spec.kinds),
-        "tenant": list(map(_plain, driver.tenant[rid])),
-        "prompt_tokens": len(spec.prompt_token_ids),
-        "n": spec.params.n,
-        "max_tokens": spec.params.max_tokens,
-        "cancel_after": spec.cancel_after,
-        "finish_reasons": [],
-        "output_tokens": 0,
-        "ttft": None,
-        "itl": [],
-        "e2e": None,
-        "num_preemptions": 0,
-        "num_cached_tokens": 0,
-    }
-    if rid in driver.rejected:
-        return {**record, "outcome": "rejected", "error": driver.rejected[rid]}
-    if out is None:
-        return {**record, "outcome": "lost"}
-    reasons = [c.finish_reason for c in out.outputs]
-    if rid in driver.cancelled:
-        outcome = "cancelled"
-    else:
-        outcome = "error" if "error" in reasons else "stopped" if "stop" in reasons else "length"
-    m, t0 = out.metrics, driver.arrival[rid]
-    times = m.token_times
-    return {
-        **record,
-        "outcome": outcome,
-        "finish_reasons": reasons,
-        "output_tokens": sum(len(c.token_ids) for c in out.outputs),
-        "ttft": None if m.first_token_time is None else m.first_token_time - t0,
-        "itl": [b - a for a, b in itertools.pairwise(times)],
-        "e2e": m.finished_time - t0 if outcome in ("stopped", "length") else None,
-        "num_preemptions": m.num_preemptions,
-        "num_cached_tokens": out.num_cached_tokens,
-    }
 
 
 def _shared_across_tenants(driver) -> int:
@@ -244,6 +250,21 @@ def _shared_across_tenants(driver) -> int:
     return sum(len(t) > 1 for t in senders.values())
 
 
+def _engine_metrics(engine) -> dict:
+    """p50 / p90 / p99 and count of ``engine.metrics``' distributions (their recent windows),
+    and the finish reasons counted; {} for an engine without metrics."""
+    m = getattr(engine, "metrics", None)
+    if m is None:
+        return {}
+    out = {}
+    for name in ENGINE_METRICS:
+        d = getattr(m, name, None)
+        if d is not None:
+            out[name] = {**{f"p{q}": v for q, v in d.percentiles(QS).items()}, "count": d.count}
+    out["finished_by_reason"] = dict(getattr(m, "finished_by_reason", {}))
+    return out
+
+
 def _dist(values) -> dict:
     xs = list(values)
     return {**{f"p{q}": v for q, v in percentiles(xs, QS).items()}, "count": len(xs)}
@@ -251,10 +272,6 @@ def _dist(values) -> dict:
 
 def _rate(hits: int, queries: int) -> float:
     return hits / queries if queries else math.nan
-
-
-def _plain(x):
-    return x if x is None or isinstance(x, (str, int, float)) else repr(x)
 
 
 def _json_safe(x):
