@@ -235,6 +235,7 @@ def run_demo(
         print("  (A/F, A/S: A's block in the full-attention or the sliding-window group)")
     print("\n== final statistics")
     print(engine.stats().summary())
+    print(engine.stats().timing_summary())
     print(engine.metrics.summary())  # latency and length percentiles, cached blocks' times
     print("\n== the pool at the end")
     print(format_pool(engine.kv, labels, per_row=6, width=9))

@@ -206,16 +206,11 @@ class StepStats:
         return {**out, **{k: getattr(self, k) for k in self.DERIVED}}
 
     def summary(self) -> str:
-        """A few lines of text, for the demo and for logs."""
+        """A few lines of text, for the demo and for logs: the counts (the same on every
+        machine for the same run; the times are in :meth:`timing_summary`)."""
         cpu = (
             f"; CPU swap pool: used {self.cpu_used_blocks}/{self.num_cpu_blocks}"
             if self.num_cpu_blocks
-            else ""
-        )
-        ttft = (
-            f"  time to first token: p50 {self.ttft_p50 * 1e3:.1f} ms, "
-            f"p99 {self.ttft_p99 * 1e3:.1f} ms (last 1,000 requests)\n"
-            if self.ttft_p50 is not None and self.ttft_p99 is not None
             else ""
         )
         return (
@@ -232,12 +227,22 @@ class StepStats:
             f"  preemptions: recompute {self.preemptions_recompute} ({self.recomputed_tokens} "
             f"tokens recomputed), swap {self.preemptions_swap} (blocks out "
             f"{self.swap_out_blocks}, in {self.swap_in_blocks})\n"
+            f"  copy-on-write {self.cow_copies}; allocation failures {self.allocation_failures}\n"
+            f"  finished {self.num_finished}, failed {self.num_failed}" + self._groups_line()
+        )
+
+    def timing_summary(self) -> str:
+        """The times, which vary from run to run: what preemptions cost and the TTFT p50 / p99."""
+        ttft = (
+            f"\n  time to first token: p50 {self.ttft_p50 * 1e3:.1f} ms, "
+            f"p99 {self.ttft_p99 * 1e3:.1f} ms (last 1,000 requests)"
+            if self.ttft_p50 is not None and self.ttft_p99 is not None
+            else ""
+        )
+        return (
             f"  preemption time: {self.preemption_time * 1e3:.1f} ms (swap copies "
             f"{self.swap_time * 1e3:.1f} ms, measured; recompute ~{self.recompute_time * 1e3:.1f} "
-            "ms, estimated)\n"
-            f"  copy-on-write {self.cow_copies}; allocation failures {self.allocation_failures}\n"
-            f"{ttft}"
-            f"  finished {self.num_finished}, failed {self.num_failed}" + self._groups_line()
+            f"ms, estimated){ttft}"
         )
 
     def _per_group(self) -> str:

@@ -113,8 +113,8 @@ def stats_html(state: PoolState) -> str:
             f"prefix hit rate: {s['prefix_hit_rate']:.1f}%"
             + ("" if recent is None else f" (recent {recent:.1f}%)"),
         ]
-        if "ttft_p50" in s and "ttft_p99" in s:  # once a request has had its first token
-            parts.append(f"TTFT p50 {1e3 * s['ttft_p50']:.0f} ms, p99 {1e3 * s['ttft_p99']:.0f} ms")
+        # No latency here: a frame's picture must read the same on every run of a chapter
+        # (the stats' TTFT p50 / p99 are in the frame's data and in timing_summary()).
     # KV-cache groups: the engine's numbers when it has them (also once every table is gone),
     # else the frame's own (a coordinator driven by hand); a one-group model has neither.
     held = s.get("group_blocks")
