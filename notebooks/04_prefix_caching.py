@@ -521,10 +521,11 @@ display(view)
 # 1. Give chat 2 a system prompt that differs from chat 1's in its very first token (say,
 #    `System:` -> `system:`). How many tokens does it find in the cache now, and why does a
 #    change at the start cost every block after it, even though the rest is identical?
-# 2. The engine's `add_request` takes no `cache_salt` (vLLM's requests can carry one). Find the
-#    one call in `pagedlearn/engine/scheduler_output.py` that would have to pass it. Then, with a
-#    `KVCacheManager` alone as in the extra-keys section, add the four chats' token ids with two
-#    different salts and check which of them hit.
+# 2. The engine's requests carry a salt as vLLM's do: `engine.add_request(rid, prompt, params,
+#    cache_salt="alice")`, or a prompt `{"prompt": ..., "cache_salt": "alice"}` (chapter 10).
+#    Find the call in `pagedlearn/engine/scheduler_output.py` that passes it to the manager.
+#    Then serve the four chats with two different salts and check with `num_cached_tokens`
+#    which of them hit.
 # 3. In the eviction section, run `C` again instead of `A` before the big request `D`. Predict
 #    which blocks `D` evicts and how many cached tokens `A`, `B` and `C` find afterwards, then
 #    check with the `evict` events.
