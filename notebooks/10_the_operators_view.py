@@ -41,10 +41,11 @@
 #
 # **What you need.** A CPU; no network. Everything runs the offline `tiny-gpt2` (2 layers, random
 # weights, a byte tokenizer: one token per character, a context of 512 tokens), in about half a
-# minute. The *counts* in this chapter -- cached tokens, blocks, checks -- are the same on every
-# machine, except where a cell says that arrivals follow the wall clock. The *times* are this
-# machine's: a CPU, a tiny model, other programs running beside it. The cells that print times
-# are marked `timing`; read them for what to look for, not for their values.
+# minute on the CPU that stored these outputs. The *counts* in this chapter -- cached tokens,
+# blocks, checks -- are the same on every machine, except where a cell says that arrivals follow the
+# wall clock. The *times* are this machine's: a CPU, a tiny model, other programs running beside it.
+# The cells that print times are marked `timing`; read them for what to look for, not for their
+# values.
 
 # %%
 from pagedlearn.notebook import setup
@@ -298,11 +299,13 @@ draw_memory_timeline(log, title="alice, then carol; a reset refused, carol finis
 # - `engine.metrics`: an `EngineMetrics` (`pagedlearn/engine/metrics.py`), the distributions:
 #   time to first token (TTFT), inter-token latency (ITL: each gap between two tokens of a
 #   request), end-to-end latency (E2E), time in the queue, prompt and output lengths, sequences
-#   per step. Each is a histogram with fixed buckets over the engine's life (vLLM's bucket bounds)
+#   per step. Each is a histogram with fixed buckets over the engine's life (vLLM's bounds, where
+#   vLLM has the histogram)
 #   plus the last 1,000 values (10,000 gaps for ITL), exact, for the p50 / p90 / p99 it prints:
 #   memory that does not grow with the requests served. How long cached blocks live before they
 #   are evicted is opt-in (`engine.metrics.track_cache_residency()`): it times every cached block
-#   from the block trace, which costs an event per block operation.
+#   from the block trace, which costs an event per block operation. (vLLM's are opt-in too,
+#   with `--kv-cache-metrics`, and by default sample 1% of blocks; pagedlearn times every one.)
 # - the Prometheus page: `prometheus_text(engine)` (`pagedlearn/engine/prometheus.py`), what a
 #   vLLM server answers on `GET /metrics`, with vLLM's names under the prefix `pagedlearn_`.
 #
@@ -320,7 +323,7 @@ params = [SamplingParams(max_tokens=48 + 16 * (i % 3), ignore_eos=True, seed=i, 
                          n=2 if i % 5 == 0 else 1) for i in range(16)]  # fmt: skip
 busy.generate(tenant_prompts(4), params, use_tqdm=False)
 m = busy.engine.metrics
-print(f"{len(served)} steps; {m.ttft.count} requests finished, by reason {m.finished_by_reason}; "
+print(f"{len(served)} steps; {m.ttft.count} first tokens, by finish reason {m.finished_by_reason}; "
       f"{m.itl.count} inter-token gaps; {m.block_lifetime.count} cached blocks timed from their "
       "caching to their eviction")  # fmt: skip
 print(f"fewest free blocks after a step: {busy.engine.stats().min_free_blocks} "
@@ -344,8 +347,8 @@ print(busy.engine.metrics.summary())
 #
 # **The Prometheus page.** A scrape reads `engine.stats()` and `engine.metrics` at that moment
 # and writes them as metric families: gauges (the state now), counters (running totals, with
-# `_total` appended, Prometheus' rule) and histograms (`_bucket`, `_sum`, `_count`). Its gauges
-# and counters, here:
+# `_total` appended, Prometheus' rule) and histograms (`_bucket`, `_sum`, `_count`). Its
+# families by type, then a few samples:
 
 # %%
 page = prometheus.prometheus_text(busy)
@@ -390,7 +393,9 @@ print(f"\n{len(pairs)} names shared with vLLM, each on the page above; the other
       "names have no vLLM counterpart (see the docstring)")  # fmt: skip
 
 # %% [markdown]
-# One dashboard, or one PromQL query with the prefix swapped, reads both servers. The names
+# For the names in the table, one dashboard reads both servers once the prefix is swapped
+# (`pagedlearn_` for `vllm:`), summing away pagedlearn's extra `mode` label on
+# `num_preemptions`; the names marked (V0) exist only on vLLM's older engine. The names
 # vLLM does not have (`kv_cache_min_free_blocks`, `kv_cache_evictions`, `swapped_blocks`,
 # `recomputed_tokens`, ...) are the ones this course cares about: what the block manager does.
 #
@@ -409,7 +414,8 @@ print(f"\n{len(pairs)} names shared with vLLM, each on the page above; the other
 #   than the context, to be refused at the door;
 # - **squeeze**: a burst of growing requests that want about twice the pool: preemptions, by
 #   swap while the CPU swap pool has room, by recompute once it is full;
-# - **cold**: after `reset_prefix_cache()`, one request per (system prompt, tenant) pair;
+# - **cold**: after `reset_prefix_cache()`, one request for each of the first (system prompt,
+#   tenant) pairs (as many as the run's share of requests for the pass: `split_counts`);
 # - **warm**: the same prompts again -- their blocks are cached now;
 # - **version**: the same prompts after `engine.model_version` changed.
 #
@@ -430,14 +436,15 @@ print(report.summary())
 # %% [markdown]
 # Arrivals follow the wall clock, so how many requests overlap in the mix depends on how fast
 # this machine steps; the counts of that phase (steps, preemptions, hits) can differ a little
-# from run to run. What may not differ is the verdict. The checks are of two kinds:
+# from run to run. What may not differ is a correctness verdict. The checks are of two kinds:
 # *correctness* (something went wrong: the command exits 1) and *coverage* (the run did not
 # exercise something it meant to, e.g. a pool too big ever to preempt: printed `[--]`, and the
 # exit code stays 0):
 
 # %%
 for check in report.checks:
-    print(f"[{'OK' if check.ok else 'FAIL'}] {check.kind:<11} {check.name}")
+    mark = "OK" if check.ok else "FAIL" if check.kind == "correctness" else "--"
+    print(f"[{mark}] {check.kind:<11} {check.name}")
 pc, rates = report.prefix_cache, report.prefix_cache["phase_hit_rate"]
 print(f"\ncross-tenant hits: {pc['cross_tenant_hit_blocks']} blocks; cold and version passes: "
       f"{rates['cold']:.0%} and {rates['version']:.0%} hit")  # fmt: skip
@@ -522,9 +529,11 @@ display(fig)
 # ## 4. Tails against the pool
 #
 # How big a pool does this load need? The operator's experiment: the same requests on pools of
-# several sizes. The requests come from the seed, but `build_mix` also takes the pool sizes (it
-# sizes the squeeze to them), so we keep the swap pool at 16 blocks in every run, and the cell
-# checks that every pool size then gets the very same requests:
+# several sizes. The requests come from the seed, but `build_mix` also takes the pool sizes and
+# sizes the squeeze to the swap pool; left at its default, the swap pool would be a quarter of
+# each pool, and each pool would get other squeeze requests. So we keep the swap pool at 16
+# blocks in every run, and the cell checks that every pool size then gets the very same
+# requests:
 
 # %%
 POOLS = (36, 48, 64, 96, 128, 192)  # the load test takes no pool under 33 blocks
@@ -541,7 +550,9 @@ print(f"{len(same)} requests, the same for every pool of {POOLS} blocks (swap po
 # two tokens (ITL max, from `report.requests`) and the E2E p99. Every run must pass every
 # correctness check (`report.ok`); a pool big enough never to preempt leaves "preemptions by
 # swap and by recompute" `[--]` not exercised -- the load test saying that it could not
-# exercise preemption there, not that something broke.
+# exercise preemption there, not that something broke. Arrivals follow the wall clock here as
+# in section 3, so this table's counts -- fewest free blocks, preemptions, preempted requests --
+# may differ a little on another machine; the requests and the correctness verdicts may not.
 
 # %% tags=["timing"]
 runs, reports = {}, {}
@@ -627,13 +638,14 @@ display(fig)
 #   **ITL max**, the single longest gap: look whether it jumps in the grey runs. A percentile
 #   summarises the many; the preemption counter and the maximum catch the few.
 #
-# The paper's section 4.5 answers a full pool with preemption (all-or-nothing, the latest
-# arrivals first): it keeps the server serving, and the table shows what it costs the requests
-# it hits. An operator sizes the pool for the expected load (in vLLM, through
-# `gpu_memory_utilization`, the share of GPU memory the engine may use: what the weights and
-# activations leave of it becomes KV blocks) and watches the headroom. Compare, too, the
-# 64-block row with the report of section 3: the same requests on the same pool; what differs
-# between the two is how this machine's timing moved the arrivals -- and its noise.
+# The paper's section 4.5 answers a full pool with preemption (all-or-nothing, the latest arrivals
+# first): it keeps the server serving, and the table shows what it costs the requests it hits. An
+# operator sizes the pool for the expected load (in vLLM, through `gpu_memory_utilization`, "the
+# fraction of GPU memory to be used for the model executor" (`CacheConfig` in vLLM's
+# `vllm/config/cache.py`): at startup vLLM loads the weights, profiles a forward pass, and makes KV
+# blocks of what that fraction has left) and watches the headroom. Compare, too, the 64-block row
+# with the report of section 3: the same requests on the same pool; what differs between the two is
+# how this machine's timing moved the arrivals -- and its noise.
 #
 # ### Per request: the tails against the free blocks it lived through
 #
@@ -682,7 +694,8 @@ display(fig)
 # seen one or two free blocks rather than zero. Their TTFT p99 and ITL max should stand above
 # those of the requests that always had room; compare the rows rather than trust this sentence,
 # since these are timings. This is the reading an operator takes to a capacity decision: the
-# latency a user feels rises with the time the pool spends empty, not with its average use.
+# requests that paid were those that lived through a step with no free block, which the pool's
+# average use would not show and its fewest free blocks does.
 #
 # ## Check yourself
 #
@@ -724,16 +737,22 @@ for q, (rule, got, mine) in enumerate(zip(rules, seen, my_answers, strict=True),
 # 1. **Two tenants without salts.** Serve the same system prompt for "dave" and "erin", neither
 #    sending a salt, while recording (`engine.record()`), then run a `TenantAudit`
 #    (`pagedlearn.loadtest_checks`) over the recorded events with a `tenant_of` that names each
-#    request's tenant. What does the audit report, and what would fix it?
-# 2. **Recompute only.** Pass the load test an `LLM` you built yourself with
-#    `preemption_mode="recompute"` (`run_loadtest(llm, ...)` drives it as it is). Which check
-#    says `[--]`, why is that coverage and not correctness, and how do the tails and
-#    `report.pool` change at the smallest pool?
+#    request's tenant (send them with `engine.add_request("dave-1", ...)` and `"erin-1"`, so
+#    that the ids name the tenant, and feed `log.events` to the audit one by one). What does
+#    the audit report, and what would fix it?
+# 2. **Recompute only.** Pass the load test an `LLM` you built yourself,
+#    `LLM(MODEL, block_size=16, num_blocks=36, preemption_mode="recompute", swap_blocks=16,
+#    verbose=False)`, which `run_loadtest(llm, NUM_REQUESTS, RATE, SEED)` drives as it is. The
+#    swap pool is never used, but `build_mix` sizes the squeeze to it, so these are the sweep's
+#    requests (without it the squeeze shrinks to one-block prompts and nothing is preempted).
+#    Which check says `[--]`, why is that coverage and not correctness, and how do the tails and
+#    `report.pool` change against the sweep's 36-block row?
 # 3. **All at once.** Rerun the sweep with `rate=float("inf")` (every phase a burst; vLLM's
-#    `benchmarks/benchmark_serving.py` also sends every request at once unless given
-#    `--request-rate`). Now the arrivals do not follow
+#    serving benchmark, `vllm bench serve` -- formerly `benchmarks/benchmark_serving.py` -- also
+#    sends every request at time 0 unless given `--request-rate`). Now the arrivals do not follow
 #    the wall clock: run it twice and check which columns of the table are the same both times.
-#    Does the number of preemptions still shrink as the pool grows? If not, find the run that
+#    Does the number of preemptions still fall, or stay level, as the pool grows? If not, find
+#    the run that
 #    breaks the pattern and read `pagedlearn/swap.py`'s docstring on blocks shared with another
 #    request: what does a swap-out free when the victim's prefix is shared, and what does its
 #    swap-in take?

@@ -184,8 +184,10 @@ def _preemption_hint(c: dict, swaps: int, recomputes: int) -> str:
     squeeze is sized to the swap pool: loadtest_mix._Maker.squeeze)."""
     pool, swap = c["num_blocks"], c["swap_blocks"]
     default, quarter = default_pool(c["max_model_len"], c["block_size"])[0], max(1, pool // 4)
-    if not swaps and (c["preemption_mode"] != "swap" or not swap):
-        return f"the engine preempts by {c['preemption_mode']} only: it has no swap pool"
+    if not swaps and c["preemption_mode"] != "swap":
+        return f"the engine preempts by {c['preemption_mode']} only (preemption_mode)"
+    if not swaps and not swap:
+        return "the engine has no swap pool: give it --swap-blocks"
     if not swaps and not recomputes:
         if pool > default:
             return f"a pool of {pool} blocks never ran short: try --num-blocks {default}"

@@ -330,7 +330,7 @@ def test_a_given_llm_is_driven_as_it_is_and_must_be_idle():
     missed = {c.name: c for c in r.checks if not c.ok}
     assert set(missed) == {PREEMPTION, WARM, SAME_TENANT}
     assert all(c.kind == "coverage" for c in missed.values()) and r.ok and not r.complete
-    assert missed[PREEMPTION].hint == "the engine preempts by recompute only: it has no swap pool"
+    assert missed[PREEMPTION].hint == "the engine preempts by recompute only (preemption_mode)"
     assert missed[WARM].hint.startswith("prefix caching is off")
     assert missed[WARM].line().startswith("  [--] not exercised: the warm pass hit the cache: ")
     assert "every correctness check passed; 3 not exercised" in r.summary()
