@@ -177,4 +177,5 @@ class SchedulerOutput:
                 samples=start + chunk == len(seq.token_ids),
             )  # fmt: skip
             self.scheduled.append(planned)
-        self._count_recomputed(req)  # a later chunk of a re-admitted prompt
+        if req.kv_dropped:  # a later chunk of a re-admitted prompt (the hot path skips this)
+            self._count_recomputed(req)
