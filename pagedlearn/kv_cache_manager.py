@@ -508,14 +508,25 @@ class KVCacheManager:
                 self._events.cache_store(seq_id, block, block_hash, tokens)
 
 
-def drop_free_cached_blocks(allocator, prefix_cache, trace) -> list[int]:
-    """Make every free cached block an empty one and forget its hash; returns them. (An
-    allocator forgets a cached block only when it hands it out, so every free block is handed
-    out and taken back, in the same order; that is not an eviction, so it is not counted as
-    one.) Emits a ``cache_reset`` event naming the dropped blocks."""
+def uncache_free_blocks(allocator, prefix_cache) -> list[tuple[int, bytes]]:
+    """Make every free cached block an empty one and forget its hash; returns ``(block,
+    hash)`` for each. Blocks in use keep their entries. An allocator forgets that a block is
+    cached only when it hands it out, so every free block is handed out and taken back, in the
+    same order (the allocator counts each cached one as an eviction). Emits nothing: the
+    caller says why (a reset, or recovery.py dropping blocks whose K/V may never have been
+    written)."""
+    if not allocator.num_cached_free_blocks:
+        return []
     blocks = allocator.allocate(allocator.num_free_blocks)  # the empty ones first
-    dropped = [b for b in blocks if prefix_cache.evict(b) is not None]
-    allocator.free(blocks)
+    dropped = [(b, h) for b in blocks if (h := prefix_cache.evict(b)) is not None]
+    allocator.free(blocks)  # back in the same order, all of them empty now
+    return dropped
+
+
+def drop_free_cached_blocks(allocator, prefix_cache, trace) -> list[int]:
+    """:func:`uncache_free_blocks` for a reset: not an eviction, so not counted as one; emits a
+    ``cache_reset`` event naming the dropped blocks, and returns them."""
+    dropped = [b for b, _ in uncache_free_blocks(allocator, prefix_cache)]
     allocator.num_evictions -= len(dropped)
     trace.emit("cache_reset", tuple(dropped), ())
     return dropped

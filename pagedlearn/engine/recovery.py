@@ -64,6 +64,7 @@ from pagedlearn.engine.outputs import fail
 from pagedlearn.engine.request import Request, RequestOutput, RequestStatus
 from pagedlearn.engine.scheduler import SchedulerOutput
 from pagedlearn.errors import PagedLearnError, add_note
+from pagedlearn.kv_cache_manager import uncache_free_blocks
 
 PHASES = ("schedule", "swap_out", "swap_in", "copy", "forward", "sample", "publish")
 MAX_FAULTS = 3  # steps in a row that raised while a request was in flight: then it fails
@@ -278,18 +279,12 @@ def _forget_free_cached_blocks(kv, seq_id: str, reason: str) -> None:
     the forward writes their K/V (so that a request admitted in the same step can share it). A
     step that stopped before its forward finished leaves such blocks registered with no KV;
     they belonged to the requests just freed, so they are free now -- and a later prompt would
-    hit them. An allocator forgets that a block is cached only when it hands it out, so every
-    free block is handed out and taken back: blocks in use keep their entries (their KV was
-    written by earlier steps), the free ones lose theirs (``evict`` events, for the trace).
+    hit them. So the free ones lose their entries (:func:`uncache_free_blocks`; ``evict``
+    events, for the trace), while blocks in use keep theirs (their KV was written by earlier
+    steps).
     """
-    a = kv.allocator
-    if not a.num_cached_free_blocks:
-        return
-    blocks = a.allocate(a.num_free_blocks)  # the empty ones first, then every cached one
-    for b in blocks:
-        if (block_hash := kv.prefix_cache.evict(b)) is not None:
-            kv.trace.emit("evict", (b,), (seq_id,), hash=block_hash.hex(), reason=reason)
-    a.free(blocks)  # back in the same order, all of them empty now
+    for b, block_hash in uncache_free_blocks(kv.allocator, kv.prefix_cache):
+        kv.trace.emit("evict", (b,), (seq_id,), hash=block_hash.hex(), reason=reason)
 
 
 def _consistent(engine, req: Request, journal: StepJournal, swapped_copied: bool, hi: int):
