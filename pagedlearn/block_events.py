@@ -5,8 +5,9 @@ The manager and swap.py say ``events.cow_copy(seq_id, src, dst)`` where they wou
 kinds in trace.py (what ``blocks``, ``seqs`` and ``info`` hold), so the table and the code that
 fills it can be read side by side, and the manager's methods read as what they do to the pool.
 
-When nobody subscribes to the trace an event costs one ``if`` (in ``Trace.emit``); the one event
-with a costly payload, ``cache_store`` (a hex hash and a token list), is not even built.
+When nobody subscribes to the trace an event costs one ``if`` (in ``Trace.emit``); the events
+with a costly payload, ``cache_store`` (a hex hash and a token list) and ``evict`` (a hex hash),
+are not even built.
 
 In a model with several KV-cache groups (kv_cache_groups.py) each group's manager announces its
 events under the sequence id ``"<seq id>|<group>"`` (``BlockEvents(trace, group)``): to the
@@ -81,7 +82,8 @@ class BlockEvents:
             )
 
     def evict(self, seq_id: Hashable, block: int, block_hash: bytes) -> None:
-        self.trace.emit("evict", (block,), (self.id(seq_id),), hash=block_hash.hex())
+        if self.trace.listening:  # skip the hex string when nobody reads it
+            self.trace.emit("evict", (block,), (self.id(seq_id),), hash=block_hash.hex())
 
     def swap_out(self, seq_id: Hashable, gpu_blocks: Sequence[int], cpu_blocks: list[int]) -> None:
         self.trace.emit("swap_out", gpu_blocks, (self.id(seq_id),), cpu_blocks=list(cpu_blocks))

@@ -61,6 +61,8 @@ class BlockTable:
 
     def live_blocks(self) -> list[int]:
         """The physical blocks the table holds (its null entries left out)."""
+        if not self.block_ids or self.block_ids[0] != NULL_BLOCK:  # nulls only form the head
+            return list(self.block_ids)
         return [b for b in self.block_ids if b != NULL_BLOCK]
 
     def slot(self, i: int) -> int:

@@ -3,11 +3,13 @@
 This is what a serving engine's scheduler talks to (vLLM calls its version the block manager or
 KV cache manager). It owns
 
-- a :class:`BlockAllocator` (which physical blocks are free, refcounts),
+- a :class:`BlockPool` (which physical blocks are free, refcounts: the rules of
+  :class:`BlockAllocator`, block_allocator.py, with a faster common path, block_pool.py),
 - one :class:`BlockTable` per sequence (logical -> physical blocks, tokens, slots), kept in a
   :class:`SequenceTables` that knows which are on the GPU and which are swapped out,
-- a :class:`PrefixCache` when ``enable_prefix_caching`` (hash -> block for full blocks),
-- a second :class:`BlockAllocator` over a CPU swap pool when ``num_cpu_blocks > 0``,
+- a prefix cache when ``enable_prefix_caching`` (hash -> block for full blocks: the
+  :class:`PrefixCache` of prefix_cache.py, in its faster form from prefix_cache_fast.py),
+- a second pool over a CPU swap pool when ``num_cpu_blocks > 0``,
 - a :class:`Trace` that announces every block operation (trace.py; block_events.py emits them).
 
 It never touches a tensor. It answers "where does token i's K/V go?" (``append_token`` returns a
@@ -48,12 +50,13 @@ from collections.abc import Hashable, Iterable
 from typing import Any
 
 from pagedlearn import swap
-from pagedlearn.block_allocator import BlockAllocator
 from pagedlearn.block_events import BlockEvents
+from pagedlearn.block_pool import BlockPool
 from pagedlearn.block_table import NULL_BLOCK, BlockTable
 from pagedlearn.errors import OutOfBlocksError, PagedLearnError
 from pagedlearn.invariants import check_invariants
-from pagedlearn.prefix_cache import PrefixCache, make_extra_keys, parent_hash
+from pagedlearn.prefix_cache import make_extra_keys, parent_hash
+from pagedlearn.prefix_cache_fast import FastPrefixCache
 from pagedlearn.sequence_tables import SequenceTables, check_token, check_tokens, id_list
 from pagedlearn.trace import EventLog, StepMarker, Trace
 
@@ -79,9 +82,9 @@ class KVCacheManager:
     (``LLM(..., kv_cache_manager=...)``, see :mod:`pagedlearn.labs.plug`).
     """
 
-    allocator_class = BlockAllocator
+    allocator_class = BlockPool  # BlockAllocator's rules, faster (block_pool.py)
     block_table_class = BlockTable
-    prefix_cache_class = PrefixCache
+    prefix_cache_class = FastPrefixCache  # PrefixCache's hashes, faster (prefix_cache_fast.py)
     # Whether remove_skipped_blocks can free anything: a scheduler skips calling it otherwise.
     has_sliding_window = False
 
@@ -161,8 +164,8 @@ class KVCacheManager:
         bs = self.block_size
         # Hits that sit in the free queue are taken out of it, so they count against free space.
         # (A sliding group's hits may start with NULL_BLOCK entries: blocks its window skips.)
-        live_hits = [b for b in hits if b != NULL_BLOCK]
-        revived = sum(1 for b in live_hits if self.allocator.refcount(b) == 0)
+        live_hits = [b for b in hits if b != NULL_BLOCK] if hits else hits
+        revived = sum(1 for b in live_hits if self.allocator.refcount(b) == 0) if hits else 0
         num_new = -(-len(tokens) // bs) - len(hits)  # ceil(tokens / block_size), less the hits
         if num_new + revived > self.allocator.num_free_blocks:
             self._counters["allocation_failures"] += 1
@@ -192,10 +195,16 @@ class KVCacheManager:
         """Add one generated token; returns the slot where its K/V must be written.
 
         Allocates a block on a block boundary; copies on write if the last block is shared.
+        (The engine calls this for every running sequence in every step, so the common case
+        costs no helper call: the table is one dict lookup, the token one type check, and the
+        slot -- ``table.slot(pos)`` -- is computed inline.)
         """
-        table = self._seqs.on_gpu(seq_id)
-        token = check_token(token_id)
-        pos = table.num_tokens
+        try:
+            table = self._tables[seq_id]  # a running sequence: the common case
+        except (KeyError, TypeError):
+            table = self._seqs.on_gpu(seq_id)  # raises, naming what is wrong with the id
+        token = token_id if type(token_id) is int and token_id >= 0 else check_token(token_id)
+        pos = len(table.token_ids)
         if pos % self.block_size == 0:  # the last block is full (or there is none): a new one
             (block,) = self._allocate(1, seq_id, f"append_token({seq_id!r}) at position {pos}")
             table.block_ids.append(block)
@@ -208,9 +217,9 @@ class KVCacheManager:
             self._counters["cow_copies"] += 1
             self._events.cow_copy(seq_id, src, dst)
         table.token_ids.append(token)
-        if self.prefix_cache is not None and table.num_tokens % self.block_size == 0:
+        if self.prefix_cache is not None and (pos + 1) % self.block_size == 0:  # now full
             self._cache_full_block(seq_id, table)
-        return table.slot(pos)
+        return table.block_ids[-1] * self.block_size + pos % self.block_size  # table.slot(pos)
 
     def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
         """Make ``child_id`` a copy of ``parent_id`` that shares all its blocks (no KV copied)."""
@@ -460,12 +469,14 @@ class KVCacheManager:
         """``n`` fresh GPU blocks for ``seq_id``'s new data (``what`` names the request in an
         :class:`OutOfBlocksError`). A free cached block taken here loses its prefix-cache entry:
         the allocator hands out empty blocks first, cached ones least recently used first."""
+        evictions = self.allocator.num_evictions
         try:
             blocks = self.allocator.allocate(n)
         except OutOfBlocksError as e:
             self._counters["allocation_failures"] += 1
             raise OutOfBlocksError(e.needed, e.free, e.total, what=what) from None
-        if self.prefix_cache is not None:
+        # Only a block the allocator evicted (counted) can have a cache entry to forget.
+        if self.prefix_cache is not None and self.allocator.num_evictions != evictions:
             for b in blocks:
                 if (block_hash := self.prefix_cache.evict(b)) is not None:  # it was cached
                     self._events.evict(seq_id, b, block_hash)
@@ -497,15 +508,16 @@ class KVCacheManager:
         cache, so that other requests find them (content indexed already keeps its block)."""
         if self.prefix_cache is None:
             return
-        extra = self._seqs.extra_keys[seq_id]
-        for j in range(start, len(table.block_hashes)):
-            block, block_hash = table.block_ids[j], table.block_hashes[j]
+        extra, bs = self._seqs.extra_keys[seq_id], self.block_size
+        tokens, hashes, insert = table.token_ids, table.block_hashes, self.prefix_cache.insert
+        for j in range(start, len(hashes)):  # a prompt registers many: no helper calls per block
+            block = table.block_ids[j]
             if block == NULL_BLOCK:  # freed by a sliding window: nothing there to find
                 continue
-            tokens, parent = table.block_tokens(j), parent_hash(table.block_hashes, j)
-            if self.prefix_cache.insert(block_hash, block, parent, tokens, extra):
+            block_tokens, parent = tokens[j * bs : (j + 1) * bs], parent_hash(hashes, j)
+            if insert(hashes[j], block, parent, block_tokens, extra):
                 self.allocator.mark_cached(block)
-                self._events.cache_store(seq_id, block, block_hash, tokens)
+                self._events.cache_store(seq_id, block, hashes[j], block_tokens)
 
 
 def uncache_free_blocks(allocator, prefix_cache) -> list[tuple[int, bytes]]:

@@ -101,7 +101,7 @@ def test_a_window_hit_needs_only_the_windows_blocks():
         kv2.prefix_cache.evict(b)
         kv2.allocator._cached.discard(b)
         kv2.allocator._free_cached.pop(b, None)
-        kv2.allocator._free_empty[b] = None
+        kv2.allocator._free_empty.append(b)
     # The query at 16 sees 11..16: blocks 2 and 3 are enough for a 16-token hit.
     assert kv2.add_sequence("b", prompt) == 16
     assert kv2.block_table("b")[:2] == [-1, -1]

@@ -302,7 +302,7 @@ def test_check_invariants_names_what_broke():
     with pytest.raises(PagedLearnError, match=f"cached block {b} is used by 'a'"):
         kv.check_invariants()
     kv._tables["a"].token_ids[0] = 0
-    kv.allocator._free_empty[b] = None  # a used block also sits in the free queue
+    kv.allocator._free_empty.append(b)  # a used block also sits in the free queue
     with pytest.raises(PagedLearnError, match=r"used \(3\) \+ free \(14\) != num_blocks \(16\)"):
         kv.check_invariants()
 

@@ -13,6 +13,7 @@ from pagedlearn.labs.runner import FAILED, run_check
 LAB = get("cow")
 KV = "kv_cache_manager.py"
 ALLOCATE_DST = '            (dst,) = self._allocate(1, seq_id, f"copy-on-write for {seq_id!r}")'
+RETURN_SLOT = "        return table.block_ids[-1] * self.block_size + pos % self.block_size"
 FREE_SRC = (
     "            self.allocator.free([src])  # one sharer fewer; the others keep src untouched"
 )
@@ -73,13 +74,13 @@ MISTAKES = [
         id="frees_head_first",
     ),
     pytest.param(
-        "        return table.slot(pos)",
-        "        return table.slot(pos) + 1",
+        RETURN_SLOT,
+        RETURN_SLOT + " + 1",
         "should return",
         id="off_by_one_slot",
     ),
     pytest.param(
-        "        return table.slot(pos)",
+        RETURN_SLOT,
         "        return pos",
         "the slot is block * block_size + offset",
         id="returns_the_position_not_the_slot",

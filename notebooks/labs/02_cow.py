@@ -165,10 +165,16 @@ class KVCacheManager(KVCacheManager):  # the class so far, with these methods yo
         """Add one generated token; returns the slot where its K/V must be written.
 
         Allocates a block on a block boundary; copies on write if the last block is shared.
+        (The engine calls this for every running sequence in every step, so the common case
+        costs no helper call: the table is one dict lookup, the token one type check, and the
+        slot -- ``table.slot(pos)`` -- is computed inline.)
         """
-        table = self._seqs.on_gpu(seq_id)
-        token = check_token(token_id)
-        pos = table.num_tokens
+        try:
+            table = self._tables[seq_id]  # a running sequence: the common case
+        except (KeyError, TypeError):
+            table = self._seqs.on_gpu(seq_id)  # raises, naming what is wrong with the id
+        token = token_id if type(token_id) is int and token_id >= 0 else check_token(token_id)
+        pos = len(table.token_ids)
         if pos % self.block_size == 0:  # the last block is full (or there is none): a new one
             (block,) = self._allocate(1, seq_id, f"append_token({seq_id!r}) at position {pos}")
             table.block_ids.append(block)
@@ -181,9 +187,9 @@ class KVCacheManager(KVCacheManager):  # the class so far, with these methods yo
             self._counters["cow_copies"] += 1
             self._events.cow_copy(seq_id, src, dst)
         table.token_ids.append(token)
-        if self.prefix_cache is not None and table.num_tokens % self.block_size == 0:
+        if self.prefix_cache is not None and (pos + 1) % self.block_size == 0:  # now full
             self._cache_full_block(seq_id, table)
-        return table.slot(pos)
+        return table.block_ids[-1] * self.block_size + pos % self.block_size  # table.slot(pos)
 
 
 check("cow")
