@@ -55,7 +55,7 @@ from pagedlearn.block_pool import BlockPool
 from pagedlearn.block_table import NULL_BLOCK, BlockTable
 from pagedlearn.errors import OutOfBlocksError, PagedLearnError
 from pagedlearn.invariants import check_invariants
-from pagedlearn.prefix_cache import make_extra_keys, parent_hash
+from pagedlearn.prefix_cache import ROOT_HASH, make_extra_keys, parent_hash
 from pagedlearn.prefix_cache_fast import FastPrefixCache
 from pagedlearn.sequence_tables import SequenceTables, check_token, check_tokens, id_list
 from pagedlearn.trace import EventLog, StepMarker, Trace
@@ -510,14 +510,17 @@ class KVCacheManager:
             return
         extra, bs = self._seqs.extra_keys[seq_id], self.block_size
         tokens, hashes, insert = table.token_ids, table.block_hashes, self.prefix_cache.insert
-        for j in range(start, len(hashes)):  # a prompt registers many: no helper calls per block
+        listening = self.trace.listening
+        for j in range(start, len(hashes)):  # a prompt registers many: few calls per block
             block = table.block_ids[j]
             if block == NULL_BLOCK:  # freed by a sliding window: nothing there to find
                 continue
-            block_tokens, parent = tokens[j * bs : (j + 1) * bs], parent_hash(hashes, j)
+            block_tokens = tokens[j * bs : (j + 1) * bs]
+            parent = hashes[j - 1] if j else ROOT_HASH  # parent_hash(hashes, j)
             if insert(hashes[j], block, parent, block_tokens, extra):
                 self.allocator.mark_cached(block)
-                self._events.cache_store(seq_id, block, hashes[j], block_tokens)
+                if listening:
+                    self._events.cache_store(seq_id, block, hashes[j], block_tokens)
 
 
 def uncache_free_blocks(allocator, prefix_cache) -> list[tuple[int, bytes]]:
