@@ -45,4 +45,16 @@ def test_engine_benchmark_prints_the_three_systems_formula_and_breakdown():
         re.M,
     ), text
     assert re.search(r"goal: < 10%; measured: \d+\.\d%$", text, re.M), text
-    assert "goal: >= 1.0x generate_batch; measured: " in text
+    for name in ("generate", "generate_batch"):
+        assert f"pagedlearn / transformers {name} tokens/s: goal: >= 1.0x; measured: " in text
+    # pagedlearn's pool is sized to generate()'s padded cache: the same MiB, less a partial block
+    padded = re.search(r"^KV memory: generate's padded cache = 4 prompts x \((\d+) longest prompt "
+                       r"\+ 8 new\) tokens x (\d+) bytes per token = ([\d.]+) MiB; pagedlearn "
+                       r"gets the same$", text, re.M)  # fmt: skip
+    ours = re.search(
+        r"^pagedlearn: .* (\d+) blocks = (\d+) tokens = ([\d.]+) MiB of KV", text, re.M
+    )
+    assert padded and ours, text
+    width = int(padded.group(1))
+    assert int(ours.group(2)) == int(ours.group(1)) * 16  # block_size 16
+    assert 4 * (width + 8) - 16 < int(ours.group(2)) <= 4 * (width + 8), text
