@@ -127,7 +127,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
         "--backend",
         choices=("auto", "torch", "triton"),
         default="auto",
-        help="attention: auto = Triton on a GPU, the PyTorch reference on a CPU",
+        help="attention: auto = Triton on a GPU, PyTorch (SDPA over the paged cache) on a CPU",
     )
     d.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
     b = command("blocks", "the memory manager alone, with made-up tokens")

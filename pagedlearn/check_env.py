@@ -94,7 +94,7 @@ def check_env(include_dev: bool = True) -> int:
             _line(
                 "--",
                 "triton: not available on this platform; the kernels need it, "
-                "the PyTorch reference backend does not",
+                "the PyTorch backend does not",
             )
         else:
             ok = False

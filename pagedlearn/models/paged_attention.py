@@ -10,9 +10,13 @@ they compute q, k, v as always and hand them to us, and we
 2. compute attention for the new queries over everything in the cache, reading it through the
    block tables (decode when every sequence brings one token, prefill when some bring several).
 
-Two backends: ``"triton"`` runs the kernels (``kernels.write_kv``, ``paged_attention_decode``,
-``paged_attention_prefill``); ``"torch"`` runs :mod:`pagedlearn.attention` (``write_kv_ref``,
-``paged_attention_batched``, ``paged_attention_prefill_ref``).
+Backends: ``"triton"`` runs the kernels (``kernels.write_kv``, ``paged_attention_decode``,
+``paged_attention_prefill``). ``"torch"`` runs :mod:`pagedlearn.attention_sdpa`: the index math
+planned once per step (:meth:`PagedAttentionMetadata.plan`), then per layer ``write_kv_planned``
+and ``attend``, one SDPA call. ``"reference"`` runs the readable references of
+:mod:`pagedlearn.attention` (``write_kv_ref``, ``paged_attention_batched``,
+``paged_attention_prefill_ref``): the same numbers, slowly; the one to step through, and what
+the tests hold ``"torch"`` against.
 
 The write comes first in every layer, so a query sees its own key, and a sequence that shares a
 block written in this very step (a prefix-cache hit on a prompt being prefilled next to it) reads
@@ -31,15 +35,16 @@ transformers does not build a (total_tokens x total_tokens) causal mask that we 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from pagedlearn.attention_sdpa import AttentionPlan, attend, plan_attention, write_kv_planned
 from pagedlearn.errors import PagedLearnError
 from pagedlearn.kv_cache import KVCache
 
 ATTN_IMPLEMENTATION = "pagedlearn"
-BACKENDS = ("torch", "triton")
+BACKENDS = ("torch", "triton", "reference")
 
 
 @dataclass
@@ -58,21 +63,37 @@ class PagedAttentionMetadata:
     context_lens: torch.Tensor  # (S,) int32: tokens in the cache after this step, new ones included
     cu_seqlens_q: torch.Tensor  # (S + 1,) int32: prefix sums of the new tokens per sequence
     max_query_len: int  # the most new tokens any sequence brings (1 for a pure decode step)
-    backend: str = "torch"  # "torch": pagedlearn.attention references; "triton": kernels/
+    backend: str = "torch"  # "torch": attention_sdpa; "triton": kernels/; "reference": attention
     calls: int = 0  # attention calls in this forward: one per layer, or the model is not ours
+    plans: dict[int, AttentionPlan] = field(default_factory=dict)  # per group, built on first use
 
     @property
     def decode_only(self) -> bool:
         return self.max_query_len == 1
 
+    def plan(self, group: int, block_size: int, sliding_window: int | None) -> AttentionPlan:
+        """The torch backend's index math for ``group``: built by the group's first layer, then
+        read by the others (it depends on the tables and lengths, not on the layer)."""
+        if group not in self.plans:
+            self.plans[group] = plan_attention(
+                self.block_tables[group],
+                self.context_lens,
+                self.cu_seqlens_q,
+                block_size,
+                sliding_window,
+                self.slot_mappings[group],
+            )
+        return self.plans[group]
+
 
 @functools.cache  # called by every layer in every step: build the partials once
 def _ops(backend: str):
-    """(write_kv, decode, prefill) for a backend; the kernels share the references' signatures.
+    """(write_kv, decode, prefill) for the "triton" and "reference" backends (the kernels share the
+    references' signatures); "torch" goes through :meth:`PagedAttentionMetadata.plan` instead.
 
     The engine built the tables, slots and lengths from a KVCacheManager that already validated
-    them, so the torch path skips re-checking their values in every layer (the kernels skip it on
-    a GPU anyway), and decodes all sequences in one batched call rather than a loop over them.
+    them, so the reference path skips re-checking their values in every layer (the kernels skip it
+    on a GPU anyway), and decodes all sequences in one batched call rather than a loop over them.
     """
     if backend == "triton":
         from kernels import paged_attention_decode, paged_attention_prefill, write_kv
@@ -120,7 +141,6 @@ def paged_attention_forward(
         raise PagedLearnError(f"paged attention expects one packed row, got batch {query.shape[0]}")
     layer = module.layer_idx
     meta.calls += 1
-    write_kv, decode, prefill = _ops(meta.backend)
     q = query[0].transpose(0, 1)  # (T, num_heads, head_dim), a strided view: no copy
     k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)  # (T, num_kv_heads, head_dim)
     cache = meta.kv_cache
@@ -134,8 +154,13 @@ def paged_attention_forward(
             f"layer {layer} of {type(module).__name__} attends with sliding_window="
             f"{kwargs.get('sliding_window')!r}, but its KV-cache group was built for {window!r}"
         )
-    tables = meta.block_tables[group]
+    if meta.backend == "torch":  # plan once per step, one SDPA per layer (attention_sdpa.py)
+        plan = meta.plan(group, key_cache.shape[1], window)
+        write_kv_planned(k, v, key_cache, value_cache, plan)  # first write, then read
+        return attend(q, key_cache, value_cache, plan, scaling).unsqueeze(0), None
 
+    tables = meta.block_tables[group]
+    write_kv, decode, prefill = _ops(meta.backend)
     write_kv(k, v, key_cache, value_cache, meta.slot_mappings[group])  # first write, then read
     if meta.decode_only:  # one query per sequence: the decode kernel, one row per sequence
         out = decode(
