@@ -61,12 +61,14 @@ class LLM:
     ``model``: anything :func:`pagedlearn.models.load` takes ("gpt2", "facebook/opt-125m",
     "tiny-gpt2", "tiny-opt", "tiny-mistral", "tiny-gemma3", "auto", a local path, a
     ``PreTrainedModel``), or what it returned.
-    ``attention_backend``: "torch" (the PyTorch references), "triton" (the kernels; on a CPU only
-    with ``TRITON_INTERPRET=1`` set before triton is imported), or "auto" (Triton on a GPU, the
-    references on a CPU). ``swap_blocks``: size of the CPU swap pool in blocks (default: as many
-    as the device pool when ``preemption_mode="swap"``, else none). ``max_num_batched_tokens``:
-    the tokens one step may compute; with ``enable_chunked_prefill`` a longer prompt is
-    prefilled over several steps (see :mod:`pagedlearn.engine.scheduler`).
+    ``attention_backend``: "torch" (PyTorch's SDPA over the paged cache, planned once per step:
+    :mod:`pagedlearn.attention_sdpa`, checked against the references in
+    :mod:`pagedlearn.attention`), "triton" (the kernels; on a CPU only with ``TRITON_INTERPRET=1``
+    set before triton is imported), or "auto" (Triton on a GPU, "torch" on a CPU).
+    ``swap_blocks``: size of the CPU swap pool in blocks (default: as many as the device pool
+    when ``preemption_mode="swap"``, else none). ``max_num_batched_tokens``: the tokens one step
+    may compute; with ``enable_chunked_prefill`` a longer prompt is prefilled over several steps
+    (see :mod:`pagedlearn.engine.scheduler`).
 
     ``kv_reservation``: "paged" (vLLM: a block is taken when a token needs it) or "max" (Orca
     (Max)-style baseline: a request is admitted only when the pool can set aside, for each of its
@@ -278,7 +280,9 @@ class LLM:
                 self._num_generated += 1
                 ids.append(rid)
                 try:
-                    engine.add_request(rid, prompt, p, lora_request=lora)
+                    # final_only: the loop below reads finished outputs only, so the engine
+                    # builds no output for a request before it ends (vLLM's LLM does the same)
+                    engine.add_request(rid, prompt, p, lora_request=lora, final_only=True)
                 except RequestRejectedError as e:
                     results[rid] = _rejected(rid, prompt, str(e))
                     print(f"pagedlearn: {e}")

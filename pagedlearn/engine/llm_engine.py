@@ -48,6 +48,7 @@ import torch
 
 from pagedlearn.engine.admission import RequestRejectedError, admit
 from pagedlearn.engine.beam_search import beam_step
+from pagedlearn.engine.fast_decode import decode_greedy, is_greedy_decode
 from pagedlearn.engine.metrics import EngineMetrics
 from pagedlearn.engine.outputs import detokenize, fail, finish, frame, mark, publish, request_output
 from pagedlearn.engine.recovery import Recovery, StepJournal, held_interrupts, recover
@@ -59,7 +60,7 @@ from pagedlearn.engine.stats import StepStats
 from pagedlearn.errors import PagedLearnError
 from pagedlearn.kv_cache import KVCache
 from pagedlearn.kv_cache_manager import KVCacheManager
-from pagedlearn.models.runner import ModelRunner, SequenceInput
+from pagedlearn.models.runner import ModelRunner
 from pagedlearn.trace import EventLog
 
 __all__ = ["LLMEngine", "RequestRejectedError"]  # RequestRejectedError lives in admission.py
@@ -67,6 +68,10 @@ __all__ = ["LLMEngine", "RequestRejectedError"]  # RequestRejectedError lives in
 
 class LLMEngine:
     """Continuous batching over a paged KV cache. Built by :class:`~pagedlearn.LLM`."""
+
+    # A greedy request with one sequence is advanced by fast_decode.decode_greedy, not by the
+    # general code in _process (False: the general code; tests compare the two).
+    fast_decodes = True
 
     def __init__(
         self,
@@ -124,13 +129,16 @@ class LLMEngine:
         *,
         cache_salt: Hashable = None,
         lora_request=None,
+        final_only: bool = False,
     ) -> None:
         """Queue a request. Raises :class:`RequestRejectedError` (queueing nothing) if it can
         never be served. ``prompt``: text, token ids, or vLLM's ``{"prompt": text}`` /
         ``{"prompt_token_ids": ids}``, each with an optional ``"cache_salt"``; ``cache_salt``
         and ``lora_request`` (an adapter id, or vLLM's ``LoRARequest``: pagedlearn applies no
         adapter, it only keeps each adapter's cached KV apart) go into its blocks' hashes. The
-        shapes and checks are in admission.py."""
+        shapes and checks are in admission.py. ``final_only``: ``step()`` returns the request's
+        output only when it finishes, as ``LLM.generate`` wants (vLLM's ``FINAL_ONLY`` output
+        kind), instead of after every step that gave it tokens (for streaming)."""
         if self.broken:
             raise PagedLearnError(f"this engine takes no more requests: {self.broken}")
         req = admit(
@@ -142,6 +150,7 @@ class LLMEngine:
             cache_salt=cache_salt,
             lora_request=lora_request,
         )
+        req.final_only = bool(final_only)
         self._arrivals += 1
         self.requests[req.request_id] = req
         self.scheduler.add(req)
@@ -244,7 +253,8 @@ class LLMEngine:
 
     # --- one step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one iteration; returns an output for every request that progressed or ended.
+        """Run one iteration; returns an output for every request that progressed or ended
+        (for a request added with ``final_only``: only when it ends).
 
         If it raises -- whatever raised, Ctrl-C included -- the requests in flight are preempted
         by recompute (or failed after repeated faults), every block is accounted for, and the
@@ -285,12 +295,9 @@ class LLMEngine:
         if sched.scheduled:
             j.phase = "forward"
             t2 = time.perf_counter()
-            logits = self.runner.execute(
-                [
-                    SequenceInput(s.new_tokens, s.start_pos, s.slots, s.block_tables)
-                    for s in sched.scheduled
-                ]
-            )
+            # A ScheduledSequence is a SequenceInput: the plan goes in as it is (a copy of the
+            # list, so that the runner may do with it what it likes).
+            logits = self.runner.execute(list(sched.scheduled))
             j.phase = "sample"
             logprobs = self.sampler.logprobs(logits)  # (S, vocab) on the CPU
             t3 = time.perf_counter()
@@ -312,13 +319,15 @@ class LLMEngine:
         for row, s in enumerate(sched.scheduled):
             if s.samples:
                 rows.setdefault(s.request.request_id, []).append(row)
-        # Greedy picks for every row at once: one reduction instead of one per sequence.
-        best_lp, best_tok = logprobs.max(dim=-1)  # ties -> the lowest id, like argmax
-        best = list(zip(best_tok.tolist(), best_lp.tolist(), strict=True))
+        best = self.sampler.greedy(logprobs)  # every row's greedy (token, logprob) at once
         outputs = []
         journal = self._journal or StepJournal([])
         for rid, idx in rows.items():
             req = self.requests[rid]
+            if len(idx) == 1 and self.fast_decodes and is_greedy_decode(req):
+                if (out := decode_greedy(self, req, best[idx[0]], now, journal)) is not None:
+                    outputs.append(out)
+                continue
             journal.begin(req)  # snapshot: if anything below raises, recovery rolls it back
             if req.is_beam_search:
                 beam_step(
@@ -335,13 +344,16 @@ class LLMEngine:
                 req.metrics.first_token_time = now
             req.metrics.token_times.append(now)
             self.metrics.observe_tokens(req.metrics)  # TTFT or an inter-token gap, now
+            out = None  # a request that asked for its final output only gets none yet
             if not req.seqs:
                 self.scheduler.remove(req)
-                outputs.append(finish(self, req))
-            else:
-                outputs.append(request_output(self, req))
+                out = finish(self, req)
+            elif not req.final_only:
+                out = request_output(self, req)
             req.num_faults = 0
-            journal.done(req, outputs[-1])
+            journal.done(req, out)
+            if out is not None:
+                outputs.append(out)
         return outputs
 
     def _sample(self, req: Request, logprobs: torch.Tensor, rows: list[int], best) -> None:

@@ -233,10 +233,10 @@ class EngineMetrics:
         gap since its last tokens -- when they happen, as vLLM records them, so that a long
         request shows before it ends."""
         times = m.token_times
-        if len(times) == 1 and m.ttft is not None:
-            self.ttft.observe(m.ttft)
-        elif len(times) > 1:
+        if len(times) > 1:  # (the usual case first: this runs for every request at every step)
             self.itl.observe(times[-1] - times[-2])
+        elif len(times) == 1 and m.ttft is not None:
+            self.ttft.observe(m.ttft)
 
     def observe_request(self, req) -> None:
         """A request finished (``outputs.finish``): every sequence is in ``req.done``."""

@@ -36,8 +36,11 @@ def request_output(engine, req: Request) -> RequestOutput:
     if req.is_beam_search and req.seqs:  # live beams, best first
         seqs = sorted(req.seqs, key=lambda s: -s.cumulative_logprob)
     else:
-        seqs = sorted(req.seqs + req.done, key=lambda s: s.index)
-    text = functools.partial(detokenize, engine)  # called on first ``.text`` (request.py)
+        seqs = req.seqs + req.done
+        if len(seqs) > 1:  # (one sample, the usual case, needs no sort)
+            seqs.sort(key=lambda s: s.index)
+    # called on first ``.text`` (request.py); the engine keeps one (``LLMEngine._detokenize``)
+    text = getattr(engine, "_detokenize", None) or functools.partial(detokenize, engine)
     p = req.params  # stop strings cut the text (request.py); beam search has none
     stop, keep = getattr(p, "stop", ()), getattr(p, "include_stop_str_in_output", False)
     outs = [
@@ -93,10 +96,11 @@ def publish(
 ) -> None:
     """The end of a step: its :class:`StepStats` (``engine.last_stats``), its frame in the trace,
     then every stats subscriber."""
+    prefills = sum(x.is_prefill for x in sched.scheduled)
     step = {
         "num_batched_tokens": sched.num_batched_tokens,
-        "num_prefill_seqs": sum(x.is_prefill for x in sched.scheduled),
-        "num_decode_seqs": sum(not x.is_prefill for x in sched.scheduled),
+        "num_prefill_seqs": prefills,
+        "num_decode_seqs": len(sched.scheduled) - prefills,
         "step_time": step_time,
         "forward_time": forward_time,
         "bookkeeping_time": bookkeeping,

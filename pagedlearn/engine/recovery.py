@@ -60,6 +60,11 @@ import signal
 import threading
 from dataclasses import dataclass, field
 
+try:  # the C functions behind signal.signal / getsignal, without their enum conversions
+    import _signal as _sig  # (which raise and catch a ValueError per call: ~3 us, twice a step)
+except ImportError:  # not CPython
+    _sig = signal
+
 from pagedlearn.engine.outputs import fail
 from pagedlearn.engine.request import Request, RequestOutput, RequestStatus
 from pagedlearn.engine.scheduler import SchedulerOutput
@@ -68,6 +73,7 @@ from pagedlearn.kv_cache_manager import uncache_free_blocks
 
 PHASES = ("schedule", "swap_out", "swap_in", "copy", "forward", "sample", "publish")
 MAX_FAULTS = 3  # steps in a row that raised while a request was in flight: then it fails
+_SIGINT = int(signal.SIGINT)
 
 
 @contextlib.contextmanager
@@ -76,7 +82,7 @@ def held_interrupts(reraise: bool = True):
     ``reraise``). A second Ctrl-C raises at once. Only in the main thread with Python's default
     handler (a script, a Jupyter cell); elsewhere, or when already held, it does nothing."""
     main = threading.current_thread() is threading.main_thread()
-    if not main or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+    if not main or _sig.getsignal(_SIGINT) is not signal.default_int_handler:
         yield
         return
     pressed: list[int] = []
@@ -86,11 +92,11 @@ def held_interrupts(reraise: bool = True):
             raise KeyboardInterrupt
         pressed.append(signum)
 
-    signal.signal(signal.SIGINT, hold)
+    _sig.signal(_SIGINT, hold)
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        _sig.signal(_SIGINT, signal.default_int_handler)
     if pressed and reraise:
         raise KeyboardInterrupt
 
@@ -110,11 +116,10 @@ class Snapshot:
     @classmethod
     def of(cls, req: Request) -> Snapshot:
         gen = req.generator.get_state() if req.generator is not None else None
-        states = [(s, len(s.token_ids), s.cumulative_logprob, s.finish_reason) for s in req.seqs]
-        m = req.metrics
+        m = req.metrics  # (map, not a comprehension: taken for every request at every step)
         return cls(
-            list(req.seqs), states, list(req.done), req.next_seq_index, gen,
-            len(m.token_times), m.first_token_time,
+            list(req.seqs), list(map(_seq_state, req.seqs)), list(req.done), req.next_seq_index,
+            gen, len(m.token_times), m.first_token_time,
         )  # fmt: skip
 
     def restore(self, req: Request) -> None:
@@ -128,6 +133,10 @@ class Snapshot:
         req.metrics.first_token_time = self.first_token_time
 
 
+def _seq_state(s) -> tuple:
+    return s, len(s.token_ids), s.cumulative_logprob, s.finish_reason
+
+
 @dataclass
 class StepJournal:
     """What the step in progress has done so far; :func:`recover` reads it."""
@@ -137,15 +146,37 @@ class StepJournal:
     sched: SchedulerOutput = field(default_factory=SchedulerOutput)
     processed: set[str] = field(default_factory=set)  # ids of requests sampled to the end
     finished: list[RequestOutput] = field(default_factory=list)  # final outputs while sampling
-    current: tuple[Request, Snapshot] | None = None  # the request being sampled
+    # the request being sampled, and its snapshot (or begin_one's numbers: see snapshot())
+    current: tuple[Request, Snapshot | tuple] | None = None
 
     def begin(self, req: Request) -> None:
+        """``req`` is sampled next: its :class:`Snapshot`, in case a fault needs it."""
         self.current = (req, Snapshot.of(req))
 
-    def done(self, req: Request, output: RequestOutput) -> None:
+    def begin_one(self, req: Request) -> None:
+        """:meth:`begin` for a request with one live sequence, no finished one and no generator
+        (fast_decode.py, for every request at every step): the few numbers its snapshot needs
+        are kept as they are, and made a :class:`Snapshot` only if a fault needs it."""
+        (seq,), m = req.seqs, req.metrics
+        numbers = (seq, len(seq.token_ids), seq.cumulative_logprob, seq.finish_reason)
+        self.current = (req, (*numbers, req.next_seq_index, len(m.token_times), m.first_token_time))
+
+    def snapshot(self) -> Snapshot:
+        """The snapshot of the request being sampled (``current``)."""
+        snap = self.current[1]
+        if isinstance(snap, tuple):  # begin_one's numbers
+            seq, n, logprob, reason, next_seq_index, num_token_times, first_token_time = snap
+            snap = Snapshot(
+                [seq], [(seq, n, logprob, reason)], [], next_seq_index, None,
+                num_token_times, first_token_time,
+            )  # fmt: skip
+        return snap
+
+    def done(self, req: Request, output: RequestOutput | None) -> None:
+        """``req`` is sampled; ``output``: what the step hands out for it (None: nothing)."""
         self.processed.add(req.request_id)
         self.current = None
-        if output.finished:
+        if output is not None and output.finished:
             self.finished.append(output)
 
 
@@ -193,7 +224,7 @@ def _roll_back(engine, journal: StepJournal, exc: BaseException) -> Recovery:
             continue
         hi = req.next_seq_index  # before restoring: forks made this step count too
         if req is current:
-            journal.current[1].restore(req)
+            journal.snapshot().restore(req)
         if req in journal.sched.failed:  # the scheduler found it can never fit
             _free(engine, req, hi)
             failed.append(fail(engine, req))

@@ -131,6 +131,9 @@ class Request:
     # both are equal (admission.py reads them from the prompt and add_request's arguments).
     cache_salt: Hashable = None
     adapter_id: Hashable = None  # the LoRA adapter's id; pagedlearn applies no adapter
+    # Whether step() hands out its output only when it finishes (vLLM's
+    # RequestOutputKind.FINAL_ONLY, which LLM.generate asks for), not at every step.
+    final_only: bool = False
 
     @property
     def is_beam_search(self) -> bool:

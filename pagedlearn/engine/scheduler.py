@@ -46,6 +46,7 @@ to be preempted.
 from __future__ import annotations
 
 import bisect
+from collections.abc import Iterable
 
 from pagedlearn.engine.readmission import readmission_blocks
 from pagedlearn.engine.request import Request, RequestStatus
@@ -61,6 +62,11 @@ PREEMPTION_MODES = ("recompute", "swap")
 
 class Scheduler:
     """Holds the ``waiting``, ``running`` and ``swapped`` queues (each in arrival order)."""
+
+    # A step in which every running request decodes and the pool has room for all is planned
+    # by SchedulerOutput.add_decodes, not request by request in _schedule_running's loop
+    # (False: the loop plans it; tests/test_engine_fast_paths.py compares the two).
+    fast_decodes = True
 
     def __init__(
         self,
@@ -118,20 +124,25 @@ class Scheduler:
 
     def _schedule_running(self, out: SchedulerOutput) -> None:
         kv = self.kv
-        pending = {r.request_id: self._pending(r) for r in self.running}
-        prefilling = {rid: n for rid, n in pending.items() if n}
-        decode_seqs = sum(len(r.seqs) for r in self.running if r.request_id not in prefilling)
-        prefill_budget = self.max_num_batched_tokens - decode_seqs  # decodes come first
         # A sliding window's blocks that no query will read again go back to the pool first,
         # so that the checks below count the room they leave (full attention skips nothing).
         if kv.has_sliding_window:
             for r in self.running:
                 for seq_id in r.seq_ids:
                     kv.remove_skipped_blocks(seq_id, kv.num_tokens(seq_id))
+        if self.fast_decodes and (starts := self._decode_starts()) is not None:
+            out.add_decodes(kv, self.running, starts)  # the common step: what the loop would plan
+            return
+        pending = {r.request_id: self._pending(r) for r in self.running}
+        prefilling = {rid: n for rid, n in pending.items() if n}
+        decode_seqs = sum(len(r.seqs) for r in self.running if r.request_id not in prefilling)
+        prefill_budget = self.max_num_batched_tokens - decode_seqs  # decodes come first
         # Each decoding sequence takes at most one block per KV-cache group (a new one, or a
         # copy-on-write copy): with that many free blocks and no prompt in progress, nobody
         # can run short. (blocks_needed(1): one block in every group.)
         fast = not prefilling and decode_seqs * kv.blocks_needed(1) <= kv.num_free_blocks
+        if prefilling and self.fast_decodes:
+            fast = self._room_for_all(decode_seqs, prefilling.values())
         queue, kept = list(self.running), []
         while queue:
             req = queue.pop(0)  # the oldest not yet handled
@@ -155,6 +166,30 @@ class Scheduler:
                     prefill_budget -= chunk
                 kept.append(req)
         self.running = kept
+
+    def _decode_starts(self) -> list[int] | None:
+        """If this step is the ``fast`` case of :meth:`_schedule_running`'s loop -- no running
+        request has prompt tokens left to prefill (:meth:`_pending`), and the pool has a free
+        block for every sequence in every KV-cache group, so that each decodes one token and
+        nobody is preempted --, every running sequence's token count in the manager, in order
+        (where its new token goes); else None."""
+        kv, starts = self.kv, []
+        for r in self.running:
+            for seq in r.seqs:
+                starts.append(kv.num_tokens(seq.seq_id))
+            if len(r.seqs) == 1 and len(r.seqs[0].token_ids) - starts[-1] > 1:  # _pending(r)
+                return None
+        return starts if len(starts) * kv.blocks_needed(1) <= kv.num_free_blocks else None
+
+    def _room_for_all(self, decode_seqs: int, pending: Iterable[int]) -> bool:
+        """``fast`` with prompts in progress too (the step after a prompt was cut into chunks):
+        a chunk of ``n`` of a prompt's pending tokens takes at most ``blocks_needed(n)`` new
+        blocks, plus a copy if its partly filled last block is shared, and a decode one block,
+        per KV-cache group; when the free blocks cover all of that, nobody can run short and
+        the loop need not ask ``blocks_to_append`` request by request."""
+        kv, one = self.kv, self.kv.blocks_needed(1)
+        need = decode_seqs * one + sum(kv.blocks_needed(n) + one for n in pending)
+        return need <= kv.num_free_blocks
 
     def _schedule_swapped(self, out: SchedulerOutput) -> None:
         kv, pool = self.kv, self.kv.allocator.num_blocks
@@ -274,6 +309,8 @@ class Scheduler:
         if not self.chunked_prefill or len(req.seqs) > 1:
             return len(tokens)
         left = self.max_num_batched_tokens - out.num_batched_tokens
+        if len(tokens) <= left:  # all of it fits: no need to hash it for the cache lookup
+            return len(tokens)
         cached = self.kv.cached_prefix_tokens(tokens, req.cache_salt, req.adapter_id)
         return min(len(tokens), cached + left)
 

@@ -33,25 +33,45 @@ from typing import TYPE_CHECKING
 from pagedlearn.engine.readmission import readmission_blocks, share_plan
 from pagedlearn.engine.request import Request, Sequence
 from pagedlearn.errors import OutOfBlocksError, PagedLearnError
+from pagedlearn.models.runner import SequenceInput
 
 if TYPE_CHECKING:
     from pagedlearn.kv_cache_manager import KVCacheManager
 
 
-@dataclass
-class ScheduledSequence:
+@dataclass(init=False)
+class ScheduledSequence(SequenceInput):
     """One sequence's work this step: ``new_tokens`` at positions ``start_pos...``, K/V into
     ``slots``; a prefill when several (or all the prompt's) tokens are new. ``slots`` and
-    ``block_tables`` hold one list per KV-cache group (one for GPT-2; kv_cache_groups.py)."""
+    ``block_tables`` hold one list per KV-cache group (one for GPT-2; kv_cache_groups.py).
+
+    It *is* the model runner's :class:`~pagedlearn.models.runner.SequenceInput` (those four
+    fields), plus whose work it is: the engine hands the step's plan to the runner as it is."""
 
     request: Request
     seq: Sequence
-    start_pos: int
-    new_tokens: list[int]
-    slots: list[list[int]]
-    block_tables: list[list[int]]
     is_prefill: bool
     samples: bool = True  # the chunk reaches the sequence's last token: sample the next one
+
+    def __init__(
+        self,
+        request: Request,
+        seq: Sequence,
+        start_pos: int,
+        new_tokens: list[int],
+        slots: list[list[int]],
+        block_tables: list[list[int]],
+        is_prefill: bool,
+        samples: bool = True,
+    ) -> None:
+        self.request = request
+        self.seq = seq
+        self.start_pos = start_pos
+        self.new_tokens = new_tokens
+        self.slots = slots
+        self.block_tables = block_tables
+        self.is_prefill = is_prefill
+        self.samples = samples
 
 
 @dataclass
@@ -179,3 +199,30 @@ class SchedulerOutput:
             self.scheduled.append(planned)
         if req.kv_dropped:  # a later chunk of a re-admitted prompt (the hot path skips this)
             self._count_recomputed(req)
+
+    def add_decodes(
+        self, kv: KVCacheManager, reqs: list[Request], starts: list[int] | None = None
+    ) -> None:
+        """The hot path of a step where every running request decodes: the same plan as
+        ``for req in reqs: self.add_next_tokens(kv, req)`` (tests/test_engine_fast_paths.py
+        checks it), with the per-token work cut down: with one KV-cache group (``block_tables``
+        has one table), the new token's slot is the one ``append_token`` returned, instead of
+        asking ``kv.slots`` for it again; and ``starts``, if given, are the sequences'
+        ``kv.num_tokens``, in order (the scheduler has just read them)."""
+        touched, scheduled = self.touched, self.scheduled
+        append, tables_of = kv.append_token, kv.block_tables
+        next_start = iter(starts).__next__ if starts is not None else None
+        for req in reqs:
+            touched.append(req)
+            for seq in req.seqs:
+                sid, tokens = seq.seq_id, seq.token_ids
+                start = next_start() if next_start else kv.num_tokens(sid)
+                new = tokens[start : start + 1]
+                slot = append(sid, new[0]) if new else None
+                tables = tables_of(sid)
+                slots = [[slot]] if new and len(tables) == 1 else kv.slots(sid, start)
+                prefill, samples = start < seq.num_prompt_tokens, start + 1 == len(tokens)
+                planned = ScheduledSequence(req, seq, start, new, slots, tables, prefill, samples)
+                scheduled.append(planned)
+            if req.kv_dropped:
+                self._count_recomputed(req)
