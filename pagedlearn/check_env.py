@@ -25,6 +25,7 @@ REQUIRED = [
     ("torch", "torch"),
     ("triton", "triton"),
     ("transformers", "transformers"),
+    ("numpy", "numpy"),
     ("matplotlib", "matplotlib"),
     ("ipywidgets", "ipywidgets"),
     ("jupyterlab", "jupyterlab"),
