@@ -77,12 +77,20 @@ class BlockTable:
 
     def live_slots(self, start: int = 0) -> list[int]:
         """:meth:`slot_mapping` from position ``start`` on, with -1 ("skip") for a position
-        whose block a sliding window freed."""
-        bs, ids = self.block_size, self.block_ids
-        return [
-            NULL_BLOCK if ids[i // bs] == NULL_BLOCK else self.slot(i)
-            for i in range(start, self.num_tokens)
-        ]
+        whose block a sliding window freed. (Built a block at a time: a block's slots are
+        consecutive, ``range(block * block_size + first offset, ...)``, so a prompt of
+        hundreds of tokens costs a few calls per block, not a ``slot`` call per token; tests
+        check it against ``slot``.)"""
+        bs, ids, end, slots = self.block_size, self.block_ids, self.num_tokens, []
+        if start < 0:
+            raise IndexError(f"token position {start} out of range for {end} tokens")
+        for j in range(start // bs, -(-end // bs)):
+            lo, hi = max(start, j * bs), min(end, (j + 1) * bs)  # positions lo..hi-1 in block j
+            if ids[j] == NULL_BLOCK:
+                slots.extend([NULL_BLOCK] * (hi - lo))
+            else:
+                slots.extend(range(ids[j] * bs + lo - j * bs, ids[j] * bs + hi - j * bs))
+        return slots
 
     def block_tokens(self, j: int) -> list[int]:
         """Token ids stored in logical block ``j``."""

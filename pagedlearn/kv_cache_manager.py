@@ -123,6 +123,7 @@ class KVCacheManager:
         else:
             self.cpu_allocator = self.allocator_class(n_cpu) if n_cpu else None
         self._seqs = SequenceTables()  # every sequence's table, on the GPU or swapped out
+        self._sizer = self.block_table_class(block_size)  # an empty table: blocks_needed asks it
         # The same dicts under the names the tests and viz/state.py read.
         self._tables, self._swapped = self._seqs.gpu, self._seqs.cpu
         self._extra_keys = self._seqs.extra_keys
@@ -352,7 +353,7 @@ class KVCacheManager:
     def blocks_needed(self, num_tokens: int) -> int:
         """Blocks a new sequence of ``num_tokens`` tokens takes: ceil(num_tokens / block_size)
         (the coordinator sums its groups). A scheduler asks it to size an admission."""
-        return self.block_table_class(self.block_size).blocks_needed(num_tokens)
+        return self._sizer.blocks_needed(num_tokens)  # the table class's own rule
 
     def token_ids(self, seq_id: Hashable) -> list[int]:
         return list(self._seqs.table(seq_id).token_ids)  # swapped sequences too

@@ -194,3 +194,26 @@ def test_check_tokens_turns_tensors_and_arrays_into_plain_ints():
     for given_ in (torch.tensor([5, 6, 7]), torch.tensor([5, 6, 7]).numpy()):
         tokens = check_tokens(given_)
         assert tokens == [5, 6, 7] and all(type(t) is int for t in tokens)
+
+
+# --- a table's slots -----------------------------------------------------------------------------
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 5), st.integers(0, 23), st.integers(0, 3), st.integers(-2, 25), st.randoms())
+def test_live_slots_are_slot_of_each_position(block_size, num_tokens, nulls, start, rnd):
+    """``live_slots`` (a block at a time) against ``slot(i)`` per position, -1 where a sliding
+    window freed the block (null entries only ever form the head of a table)."""
+    from pagedlearn.block_table import NULL_BLOCK, BlockTable
+
+    n_blocks = -(-num_tokens // block_size)
+    ids = rnd.sample(range(100), n_blocks)
+    ids[: min(nulls, n_blocks)] = [NULL_BLOCK] * min(nulls, n_blocks)
+    table = BlockTable(block_size, ids, list(range(num_tokens)))
+    if start < 0:  # not a position: refused, as slot() refuses it
+        with pytest.raises(IndexError, match=f"token position {start} out of range"):
+            table.live_slots(start)
+        return
+    want = [
+        NULL_BLOCK if ids[i // block_size] == NULL_BLOCK else table.slot(i)
+        for i in range(start, num_tokens)
+    ]
+    assert table.live_slots(start) == want
