@@ -112,16 +112,7 @@ class BlockPool(BlockAllocator):
                 return self._free_checked(ids)
         if len(ids) > 1 and len(set(ids)) < len(ids):  # a block listed twice: count them
             return self._free_checked(ids)
-        self._release(ids)
-
-    def _release(self, ids: list[int]) -> None:
-        """The changes of ``free``, once its checks passed."""
-        refs, cached, empty, lru = (
-            self._refcounts,
-            self._cached,
-            self._free_empty,
-            self._free_cached,
-        )
+        cached, empty, lru = self._cached, self._free_empty, self._free_cached
         for b in ids:
             r = refs[b] - 1
             refs[b] = r
@@ -142,7 +133,14 @@ class BlockPool(BlockAllocator):
                 raise PagedLearnError(
                     f"double free: block {b} freed {times}x but has refcount {self._refcounts[b]}"
                 )
-        self._release(ids)
+        for b in ids:  # the plain way, one id at a time (an id may repeat here)
+            self._refcounts[b] -= 1
+            self._num_shared -= self._refcounts[b] == 1
+            if self._refcounts[b] == 0:
+                if b in self._cached:
+                    self._free_cached[b] = None
+                else:
+                    self._free_empty.append(b)
 
     def __repr__(self) -> str:
         return super().__repr__().replace("BlockAllocator", "BlockPool", 1)
