@@ -329,7 +329,10 @@ class KVCacheManager:
 
     # --- queries -------------------------------------------------------------------------------
     def block_table(self, seq_id: Hashable) -> list[int]:
-        return list(self._seqs.on_gpu(seq_id).block_ids)
+        try:  # a running sequence, asked every step: one dict lookup
+            return list(self._tables[seq_id].block_ids)
+        except (KeyError, TypeError):
+            return list(self._seqs.on_gpu(seq_id).block_ids)  # raises, naming the problem
 
     def slot_mapping(self, seq_id: Hashable) -> list[int]:
         return self._seqs.on_gpu(seq_id).live_slots()
@@ -370,7 +373,10 @@ class KVCacheManager:
 
     def num_tokens(self, seq_id: Hashable) -> int:
         """How many tokens the sequence holds KV slots for (O(1); swapped sequences too)."""
-        return self._seqs.table(seq_id).num_tokens
+        try:  # a running sequence, asked every step: one dict lookup
+            return len(self._tables[seq_id].token_ids)
+        except (KeyError, TypeError):
+            return self._seqs.table(seq_id).num_tokens  # swapped out, or raises
 
     def sequences(self) -> list[Hashable]:
         """Ids of the sequences whose blocks are on the GPU (not the swapped-out ones)."""
