@@ -78,18 +78,18 @@ class BlockTable:
     def live_slots(self, start: int = 0) -> list[int]:
         """:meth:`slot_mapping` from position ``start`` on, with -1 ("skip") for a position
         whose block a sliding window freed. (Built a block at a time: a block's slots are
-        consecutive, ``range(block * block_size + first offset, ...)``, so a prompt of
-        hundreds of tokens costs a few calls per block, not a ``slot`` call per token; tests
-        check it against ``slot``.)"""
+        consecutive, so one ``slot`` call per block gives the first and a ``range`` the rest;
+        tests check it against ``slot`` per position.)"""
         bs, ids, end, slots = self.block_size, self.block_ids, self.num_tokens, []
         if start < 0:
             raise IndexError(f"token position {start} out of range for {end} tokens")
-        for j in range(start // bs, -(-end // bs)):
+        for j in range(start // bs, -(-end // bs) if start < end else 0):
             lo, hi = max(start, j * bs), min(end, (j + 1) * bs)  # positions lo..hi-1 in block j
             if ids[j] == NULL_BLOCK:
                 slots.extend([NULL_BLOCK] * (hi - lo))
             else:
-                slots.extend(range(ids[j] * bs + lo - j * bs, ids[j] * bs + hi - j * bs))
+                first = self.slot(lo)
+                slots.extend(range(first, first + hi - lo))
         return slots
 
     def block_tokens(self, j: int) -> list[int]:

@@ -82,9 +82,13 @@ class KVCacheManager:
     (``LLM(..., kv_cache_manager=...)``, see :mod:`pagedlearn.labs.plug`).
     """
 
-    allocator_class = BlockPool  # BlockAllocator's rules, faster (block_pool.py)
+    # The fast twins of block_allocator.py's BlockAllocator and prefix_cache.py's PrefixCache
+    # (same rules, same hashes; tests/test_fast_paths.py checks each against its plain twin).
+    # Set these to BlockAllocator and PrefixCache to run on the plain ones, as
+    # benchmarks/bench_block_manager.py's PlainKVCacheManager does.
+    allocator_class = BlockPool
     block_table_class = BlockTable
-    prefix_cache_class = FastPrefixCache  # PrefixCache's hashes, faster (prefix_cache_fast.py)
+    prefix_cache_class = FastPrefixCache
     # Whether remove_skipped_blocks can free anything: a scheduler skips calling it otherwise.
     has_sliding_window = False
 
@@ -196,10 +200,10 @@ class KVCacheManager:
         """Add one generated token; returns the slot where its K/V must be written.
 
         Allocates a block on a block boundary; copies on write if the last block is shared.
-        (The engine calls this for every running sequence in every step, so the common case
-        costs no helper call: the table is one dict lookup, the token one type check, and the
-        slot -- ``table.slot(pos)`` -- is computed inline.)
         """
+        # The engine calls this for every running sequence in every step, so the common case
+        # calls no helper: ``self._seqs.on_gpu``, ``check_token`` and ``table.slot(pos)``
+        # are inlined (each still runs where the fast check fails, to name the problem).
         try:
             table = self._tables[seq_id]  # a running sequence: the common case
         except (KeyError, TypeError):
@@ -220,6 +224,8 @@ class KVCacheManager:
         table.token_ids.append(token)
         if self.prefix_cache is not None and (pos + 1) % self.block_size == 0:  # now full
             self._cache_full_block(seq_id, table)
+        if type(table) is not BlockTable:  # a plugged-in table (a lab answer): its own slot()
+            return table.slot(pos)
         return table.block_ids[-1] * self.block_size + pos % self.block_size  # table.slot(pos)
 
     def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
@@ -476,14 +482,12 @@ class KVCacheManager:
         """``n`` fresh GPU blocks for ``seq_id``'s new data (``what`` names the request in an
         :class:`OutOfBlocksError`). A free cached block taken here loses its prefix-cache entry:
         the allocator hands out empty blocks first, cached ones least recently used first."""
-        evictions = self.allocator.num_evictions
         try:
             blocks = self.allocator.allocate(n)
         except OutOfBlocksError as e:
             self._counters["allocation_failures"] += 1
             raise OutOfBlocksError(e.needed, e.free, e.total, what=what) from None
-        # Only a block the allocator evicted (counted) can have a cache entry to forget.
-        if self.prefix_cache is not None and self.allocator.num_evictions != evictions:
+        if self.prefix_cache is not None:
             for b in blocks:
                 if (block_hash := self.prefix_cache.evict(b)) is not None:  # it was cached
                     self._events.evict(seq_id, b, block_hash)

@@ -118,28 +118,32 @@ def check_tokens(token_ids: Iterable[int]) -> list[int]:
     """Token ids as a new list of ints >= 0 (numpy / torch ints welcome); names a bad one.
 
     The check runs at C speed: ``array("Q", tokens)`` refuses anything that is not an integer
-    (``__index__``) in ``0 .. 2**64 - 1``, so a prompt of thousands of tokens costs about a
-    microsecond per thousand, not a Python loop over it. A list is kept as it is once it passes
-    (an element that is a numpy or torch integer stays one: it equals, hashes and packs like the
-    int); anything else -- a tensor, an array, a range -- becomes a list of plain ints. Only
-    when the fast check refuses does :func:`check_tokens_plain` walk the tokens, to say which
-    position is wrong.
+    (``__index__``) in ``0 .. 2**64 - 1``, instead of a Python loop over thousands of tokens.
+    What comes back is a list of plain ints: a tensor, an array, a range or a list whose
+    first or last id is not a plain int (``list(tensor)``, a list of numpy ints, of bools) is
+    converted (``values.tolist()``); a list whose first and last ids are plain ints -- what the
+    engine and a tokenizer hand in -- is copied as it is, so one numpy int hidden in the middle
+    of such a list stays one (it equals, packs and hashes like the int). Only when the fast
+    check refuses does :func:`check_tokens_plain` walk the tokens, to say which position is
+    wrong.
     """
     if isinstance(token_ids, (str, bytes)):
         raise PagedLearnError("token ids must be ints, got a string: tokenize it first")
-    given_a_list = type(token_ids) is list  # the engine's case: kept as it is
-    if not given_a_list:
+    if type(token_ids) is not list:
         try:
             token_ids = list(token_ids)  # once: a generator cannot be read twice
         except TypeError:
             raise PagedLearnError(f"token ids must be ints, got {token_ids!r}") from None
+        convert = True
+    else:
+        convert = bool(token_ids) and not (type(token_ids[0]) is type(token_ids[-1]) is int)
     try:
         values = array("Q", token_ids)  # C speed: each an integer in 0 .. 2**64 - 1
     except (TypeError, OverflowError):
         return check_tokens_plain(token_ids)  # names the first bad position
     if not token_ids:
         raise PagedLearnError("a sequence needs at least one token")
-    return list(token_ids) if given_a_list else values.tolist()
+    return values.tolist() if convert else list(token_ids)
 
 
 def check_tokens_plain(token_ids: Iterable[int]) -> list[int]:
