@@ -125,9 +125,10 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
     )
     d.add_argument(
         "--backend",
-        choices=("auto", "torch", "triton"),
+        choices=("auto", "torch", "triton", "reference"),
         default="auto",
-        help="attention: auto = Triton on a GPU, PyTorch (SDPA over the paged cache) on a CPU",
+        help="attention: auto = Triton on a GPU, torch (SDPA over the paged cache) on a CPU; "
+        "reference = the readable PyTorch references",
     )
     d.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
     b = command("blocks", "the memory manager alone, with made-up tokens")

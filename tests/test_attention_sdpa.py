@@ -241,3 +241,19 @@ def test_the_engine_computes_the_same_logits_on_both_backends(name):
     prompts = [SYSTEM + p for p in PROMPTS] + PROMPTS  # shared prefixes: prefix-cache hits
     llm.generate(prompts, greedy(30), use_tqdm=False)  # 30 tokens: past tiny windows of 24
     assert max(steps) > 1 and 1 in steps  # prefill steps (chunked: 24 tokens) and decode steps
+
+
+def test_llm_runs_the_references_as_the_reference_backend():
+    """``LLM(attention_backend="reference")`` serves a model on pagedlearn.attention's readable
+    functions (the ones to step through), and greedy tokens agree with the default backend."""
+    from pagedlearn import LLM, SamplingParams
+
+    params = SamplingParams(max_tokens=6)
+    prompts = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14, 15, 16, 17]]
+    outs = {}
+    for backend in ("reference", "torch"):
+        llm = LLM("tiny-gpt2", block_size=4, attention_backend=backend, verbose=False)
+        assert llm.attention_backend == backend
+        got = llm.generate(prompts, params, use_tqdm=False)
+        outs[backend] = [list(o.outputs[0].token_ids) for o in got]
+    assert outs["reference"] == outs["torch"]

@@ -64,7 +64,8 @@ class LLM:
     ``attention_backend``: "torch" (PyTorch's SDPA over the paged cache, planned once per step:
     :mod:`pagedlearn.attention_sdpa`, checked against the references in
     :mod:`pagedlearn.attention`), "triton" (the kernels; on a CPU only with ``TRITON_INTERPRET=1``
-    set before triton is imported), or "auto" (Triton on a GPU, "torch" on a CPU).
+    set before triton is imported), "reference" (the references themselves, slower: the one
+    to step through in a debugger), or "auto" (Triton on a GPU, "torch" on a CPU).
     ``swap_blocks``: size of the CPU swap pool in blocks (default: as many as the device pool
     when ``preemption_mode="swap"``, else none). ``max_num_batched_tokens``: the tokens one step
     may compute; with ``enable_chunked_prefill`` a longer prompt is prefilled over several steps
@@ -117,7 +118,9 @@ class LLM:
 
         _check_choice("preemption_mode", preemption_mode, PREEMPTION_MODES)
         _check_choice("kv_reservation", kv_reservation, KV_RESERVATIONS)
-        _check_choice("attention_backend", attention_backend, ("auto", "triton", "torch"))
+        _check_choice(
+            "attention_backend", attention_backend, ("auto", "triton", "torch", "reference")
+        )
         _check_positive("block_size", block_size)
         _check_positive("max_num_seqs", max_num_seqs)
         if kv_cache_manager is not None and not callable(kv_cache_manager):
