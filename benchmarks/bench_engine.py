@@ -23,8 +23,8 @@ run, from ``engine.subscribe_stats``, bookkeeping = scheduler + block manager + 
 forward (sampling, stop checks).
 
 Times on a small shared CPU swing with what else runs: torch's threads and another busy process's
-threads fight over the cores, and pagedlearn's CPU attention (one small op after another, per
-sequence) suffers most. The script prints the load average and the run-to-run spread to show it.
+threads fight over the cores, and a step of many small ops suffers most. The script prints the
+load average and the run-to-run spread to show it.
 
 Goals (from issue 17): pagedlearn at least as fast as generate and generate_batch, bookkeeping
 < 10% of a step. The script prints what it measures; it asserts nothing.
@@ -204,8 +204,9 @@ def main() -> None:
         f"ignored): {args.num_prompts} x {args.max_tokens} = {expected} tokens per run"
     )
 
-    # The KV memory every system gets: what generate()'s padded cache holds at the end of a run,
-    # every prompt padded to the longest one, plus the new tokens, in every layer (K and V).
+    # The KV memory every system gets: what generate()'s padded cache holds at the end of a run
+    # (every prompt padded to the longest one, plus the new tokens, in every layer, K and V),
+    # for the longest prompt of all the runs: an upper bound over them.
     per_token = kv_cache_spec(loaded.model).bytes_per_token
     width = max(len(p) for prompts in sets for p in prompts)
     padded_tokens = args.num_prompts * (width + args.max_tokens)

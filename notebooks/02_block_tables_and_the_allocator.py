@@ -208,7 +208,8 @@ print({k: stats[k] for k in ("num_seqs", "used_blocks", "free_blocks", "allocati
 kv.check_invariants()
 
 # %% [markdown]
-# The manager is built on `BlockAllocator`, which knows only ids and refcounts. You can use it
+# The manager is built on a block pool that knows only ids and refcounts: `BlockAllocator`'s rules
+# (the engine runs `BlockPool`, the same rules with a faster common path). You can use it
 # alone: `allocate` is all-or-nothing, and freeing a block more times than it is referenced is an
 # error, not a silent corruption.
 

@@ -263,8 +263,8 @@ display(after_cold)
 # What the cache saves is counted here in prompt tokens the model did not recompute (the last
 # line of numbers above): the same on every machine. Seconds are another matter. If you time
 # the two `generate` calls, do not expect the time to fall with the tokens: each call also runs
-# decode steps and fixed per-step costs that the cache does not touch (on a CPU the Triton
-# kernels even run in the interpreter), and one CPU timing is noisy -- run each a few times and
+# decode steps and fixed per-step costs that the cache does not touch, and one CPU timing is
+# noisy -- run each a few times and
 # compare the spread with the difference. Where the skipped prefill shows in seconds is a real
 # model on a GPU with a long shared prefix, in the warm request's time to its first token.
 #

@@ -178,7 +178,8 @@ print("OK: gather_kv through A's block table gives back A's contiguous K and V")
 # `paged_attention_ref` does decode for a batch: one query per sequence, gather through its
 # block table, then `contiguous_attention`. Same numbers as step 1, for every sequence.
 # `paged_attention_batched` is the same without a Python loop over sequences (one padded gather
-# and a masked softmax); it is what the engine runs for decode on a CPU.
+# and a masked softmax). The engine's CPU backend does the same gather and hands it to PyTorch's
+# `scaled_dot_product_attention` (`pagedlearn/attention_sdpa.py`), tested against this function.
 
 # %%
 q = torch.cat([q_a, torch.randn(1, H, D, device=dev)])  # (num_seqs, num_heads, head_dim)

@@ -15,8 +15,10 @@ Read them in order; each computes the same numbers as the one before, a step clo
    first ``context_len - query_len`` keys are already cached (a prefix-cache hit), attending
    causally to the cached prefix and to each other.
 5. :func:`paged_attention_batched` -- (2) for all sequences at once, as tensor operations: gather
-   every padded block-table row, mask what lies past each length. No Python loop over sequences,
-   so it is what the engine runs for decode on a CPU.
+   every padded block-table row, mask what lies past each length. No Python loop over sequences;
+   the ``"reference"`` backend runs it for decode. The engine's default ``"torch"`` backend does
+   the same with one SDPA call per layer, planned once per step (attention_sdpa.py, checked
+   against these functions by tests/test_attention_sdpa.py).
 
 Plus :func:`write_kv_ref`, the KV write ("reshape_and_cache"): token ``i``'s K/V go to slot
 ``slot_mapping[i]`` = ``block_id * block_size + offset``; a negative slot means "skip" (padding);

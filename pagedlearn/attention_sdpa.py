@@ -1,12 +1,12 @@
-"""Paged attention for the engine's ``"torch"`` backend: plan once per step, one SDPA per layer.
+"""Paged attention for the engine's ``"torch"`` backend: plan once per step, then SDPA per layer.
 
 The references in :mod:`pagedlearn.attention` are written to be read; they run some twenty small
 tensor operations per layer (index math, a gather, masks, two einsums, a softmax). On a small
 model most of a forward pass is that per-operation overhead, and most of it is the same in every
 layer: which rows of q belong to which sequence, which cache slots hold its keys, which key each
-query may see. Only the cache tensors change from layer to layer. So, like vLLM's attention
-backends (an "attention metadata builder" runs once per step; the layers only read its result),
-the work is split in two:
+query may see. Only the cache tensors change from layer to layer. So, as in vLLM v1 (its GPU
+model runner calls each attention backend's ``AttentionMetadataBuilder.build`` once per step and
+KV-cache group; the layers only read the result), the work is split in two:
 
 1. :func:`plan_attention`, once per step and KV-cache group: an :class:`AttentionPlan` that pads
    the sequences into a few batches, with the cache slot of every key and an additive mask.
@@ -27,7 +27,8 @@ references):
 
 - Padding never reads a slot that no sequence uses: it may hold anything, NaN included, and
   ``0 * NaN`` is NaN even behind a mask. A padding key position reads its row's first visible
-  key instead, a real key, and the mask gives it weight 0. A padding query row repeats the
+  key instead, a real key, and the mask gives it weight 0 (a sequence with no keys at all reads
+  slot 0 and is zeroed, below). A padding query row repeats the
   sequence's last query (so no row is fully masked) and is dropped on the way back.
 - A sequence with no keys at all (``context_len == 0``, which the decode references accept)
   gets zeros, set explicitly.

@@ -22,6 +22,10 @@ back out of the middle of the queue on a prefix hit (``incref`` of a free block)
 1k or 100k blocks. (A ``deque.remove`` would scan the queue: O(n).)
 
 Every method checks its whole input before changing anything, so an error leaves the pool as it was.
+
+This is the version to read, and the one lab 1 asks you to write. The KV-cache manager runs on
+its twin, :class:`~pagedlearn.block_pool.BlockPool` (block_pool.py): the same rules, errors and
+order, with a faster common path; tests/test_fast_paths.py drives both with the same calls.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 prefix_cache.py is the version to read (and the one lab 3 asks you to write): ``hash_block``
 serialises one block and hashes it, ``hash_blocks`` chains it over a prompt, ``lookup`` verifies
 one hit. :class:`FastPrefixCache` computes exactly the same 32-byte hashes and stores the same
-entries -- tests/test_prefix_cache_fast.py checks both on random prompts -- and changes only what
+entries -- tests/test_fast_paths.py checks both on random prompts -- and changes only what
 a prompt of hundreds of blocks pays for:
 
 - The extra keys (model, adapter, salt) are the same for every block of a sequence, but
@@ -14,7 +14,8 @@ a prompt of hundreds of blocks pays for:
 - An entry is a ``NamedTuple`` with :class:`CachedBlock`'s fields (read the same way, by name),
   because building a frozen dataclass costs a few ``object.__setattr__`` calls per block.
 
-Measured with ``python benchmarks/bench_block_manager.py`` (admission with caching on).
+``python benchmarks/bench_block_manager.py`` measures both (admission and churn with caching on,
+the columns ``pagedlearn`` and ``pagedlearn plain``).
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ forks, frees), take its timings, build its output. That general code serves ever
 parallel samples, beam search, seeded sampling, several rows per request -- through a few
 layers of calls. Most requests in most steps are the simplest case, though: greedy, one
 sequence, one row. :func:`decode_greedy` does exactly what the general code does for them, in
-one function: for a step of 32 such requests, about 60 us instead of 130 (2-core CPU box).
+one function (``benchmarks/bench_engine.py`` prints the bookkeeping per step; set
+``LLMEngine.fast_decodes = False`` and ``Scheduler.fast_decodes = False`` to compare).
 
 ``tests/test_engine_fast_paths.py`` runs whole workloads both ways and compares everything
 they leave (every step's outputs, the block trace, the stats, the metrics; and the same

@@ -137,8 +137,9 @@ class LLMEngine:
         and ``lora_request`` (an adapter id, or vLLM's ``LoRARequest``: pagedlearn applies no
         adapter, it only keeps each adapter's cached KV apart) go into its blocks' hashes. The
         shapes and checks are in admission.py. ``final_only``: ``step()`` returns the request's
-        output only when it finishes, as ``LLM.generate`` wants (vLLM's ``FINAL_ONLY`` output
-        kind), instead of after every step that gave it tokens (for streaming)."""
+        output only when it finishes, as ``LLM.generate`` wants, instead of after every step that
+        gave it tokens (for streaming). vLLM spells it ``SamplingParams.output_kind =
+        RequestOutputKind.FINAL_ONLY``, which its ``LLM`` sets for the requests it adds."""
         if self.broken:
             raise PagedLearnError(f"this engine takes no more requests: {self.broken}")
         req = admit(

@@ -60,8 +60,8 @@ import signal
 import threading
 from dataclasses import dataclass, field
 
-try:  # the C functions behind signal.signal / getsignal, without their enum conversions
-    import _signal as _sig  # (which raise and catch a ValueError per call: ~3 us, twice a step)
+try:  # the C functions behind signal.signal / getsignal, without their enum conversions (which
+    import _signal as _sig  # raise and catch a ValueError per call); CPython's private module
 except ImportError:  # not CPython
     _sig = signal
 

@@ -30,8 +30,8 @@ class Sampler:
 
     def greedy(self, logprobs: torch.Tensor) -> list[tuple[int, float]]:
         """:meth:`greedy_ref` through numpy, which the engine calls every step: on a matrix this
-        small, a torch call's fixed cost is most of the work, and numpy's is a third of it (the
-        same picks and values: numpy's argmax also takes the first maximum; tests check it)."""
+        small, a torch call's fixed cost is most of the work, and numpy's is smaller (the same
+        picks and values: numpy's argmax also takes the first maximum; tests check it)."""
         rows = logprobs.numpy()  # (S, vocab) float32, sharing the tensor's memory
         best = rows.argmax(axis=-1)  # (S,)
         return list(zip(best.tolist(), rows[np.arange(len(rows)), best].tolist(), strict=True))

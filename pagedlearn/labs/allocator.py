@@ -1,4 +1,4 @@
-"""Lab 1 · The block pool and the block table: write the allocator the engine runs on.
+"""Lab 1 · The block pool and the block table: write the allocator a model can run on.
 
 You write the heart of chapter 02 (``02_block_tables_and_the_allocator``):
 

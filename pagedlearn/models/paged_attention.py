@@ -154,7 +154,7 @@ def paged_attention_forward(
             f"layer {layer} of {type(module).__name__} attends with sliding_window="
             f"{kwargs.get('sliding_window')!r}, but its KV-cache group was built for {window!r}"
         )
-    if meta.backend == "torch":  # plan once per step, one SDPA per layer (attention_sdpa.py)
+    if meta.backend == "torch":  # plan once per step, then SDPA per layer (attention_sdpa.py)
         plan = meta.plan(group, key_cache.shape[1], window)
         write_kv_planned(k, v, key_cache, value_cache, plan)  # first write, then read
         return attend(q, key_cache, value_cache, plan, scaling).unsqueeze(0), None

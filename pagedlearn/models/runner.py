@@ -86,8 +86,8 @@ def max_model_len(model) -> int:
 
 
 def _ints(values: list[int], dtype: torch.dtype, device) -> torch.Tensor:
-    """A 1-D tensor of Python ints. ``torch.tensor(list)`` converts element by element (some 40 ns
-    each: 1024 ids, 40 us); ``array.array`` packs the list in C and the tensor copies it whole."""
+    """A 1-D tensor of Python ints. ``torch.tensor(list)`` converts element by element;
+    ``array.array`` packs the list in C and the tensor copies it whole."""
     if not values:  # frombuffer refuses an empty buffer
         return torch.empty(0, dtype=dtype, device=device)
     packed = array.array("q" if dtype == torch.int64 else "i", values)  # int64 / int32
