@@ -53,6 +53,8 @@ class ScheduledSequence(SequenceInput):
     is_prefill: bool
     samples: bool = True  # the chunk reaches the sequence's last token: sample the next one
 
+    # Written by hand (``init=False``): a generated __init__ would take the parent's four fields
+    # first, and every caller passes (request, seq, start_pos, ...), as before the subclassing.
     def __init__(
         self,
         request: Request,
