@@ -31,7 +31,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import Hashable, Iterator, Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 ROOT_HASH: bytes = hashlib.sha256(b"pagedlearn prefix cache root").digest()
 
@@ -72,9 +72,10 @@ def make_extra_keys(
     return (("model", model_id), ("adapter", adapter_id), ("salt", cache_salt))
 
 
-@dataclass(frozen=True)
-class CachedBlock:
-    """What the cache remembers about one full block, to verify a hit beyond its hash."""
+class CachedBlock(NamedTuple):
+    """What the cache remembers about one full block, to verify a hit beyond its hash.
+    (A ``NamedTuple``: immutable, read by field name, and cheap to build -- every full block
+    of every prompt makes one.)"""
 
     block_id: int
     parent_hash: bytes

@@ -11,8 +11,6 @@ a prompt of hundreds of blocks pays for:
   remembers the bytes of each extra-keys tuple the manager hands in).
 - The token ids of a block are packed by a precompiled ``struct.Struct`` (one per block size) and
   the chain is one loop with everything it needs in local variables -- no helper call per block.
-- An entry is a ``NamedTuple`` with :class:`CachedBlock`'s fields (read the same way, by name),
-  because building a frozen dataclass costs a few ``object.__setattr__`` calls per block.
 
 ``python benchmarks/bench_block_manager.py`` measures both (admission and churn with caching on,
 the columns ``pagedlearn`` and ``pagedlearn plain``).
@@ -23,22 +21,8 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import Sequence
-from typing import NamedTuple
 
 from pagedlearn.prefix_cache import ROOT_HASH, PrefixCache
-
-
-class CachedEntry(NamedTuple):
-    """What :class:`FastPrefixCache` remembers about one full block (:class:`CachedBlock`'s
-    fields, in a tuple: cheaper to build)."""
-
-    block_id: int
-    parent_hash: bytes
-    token_ids: tuple[int, ...]
-    extra_keys: tuple
-
-
-_new_entry = tuple.__new__  # builds a NamedTuple without its Python-level __new__
 
 
 class FastPrefixCache(PrefixCache):
@@ -110,19 +94,3 @@ class FastPrefixCache(PrefixCache):
             hits.append(entry.block_id)
             parent = hashes[j]
         return hashes, hits
-
-    def insert(
-        self,
-        block_hash: bytes,
-        block_id: int,
-        parent_hash: bytes,
-        token_ids: Sequence[int],
-        extra_keys: tuple,
-    ) -> bool:
-        """:meth:`PrefixCache.insert` (the first block under a hash keeps it)."""
-        if block_hash in self._by_hash or block_id in self._hash_of:
-            return False
-        entry = (block_id, parent_hash, tuple(token_ids), extra_keys)
-        self._by_hash[block_hash] = _new_entry(CachedEntry, entry)  # CachedEntry(*entry), faster
-        self._hash_of[block_id] = block_hash
-        return True
