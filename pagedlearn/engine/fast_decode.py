@@ -25,12 +25,14 @@ from pagedlearn.engine.sampling_params import SamplingParams
 
 def is_greedy_decode(req: Request) -> bool:
     """Whether :func:`decode_greedy` may advance ``req``: greedy sampling (no generator to
-    snapshot), one live sequence and no finished one (its output has one sample), and no fork
-    to make (n = 1, or its samples forked already)."""
+    snapshot) without per-token logprobs (``_sample`` computes those), one live sequence and no
+    finished one (its output has one sample), and no fork to make (n = 1, or its samples forked
+    already)."""
     p = req.params
     return (
         type(p) is SamplingParams
         and p.temperature == 0  # SamplingParams.greedy
+        and p.logprobs is None
         and len(req.seqs) == 1
         and not req.done
         and req.generator is None

@@ -36,6 +36,8 @@ its version), the LoRA adapter and the cache salt::
 
 Stop strings (``SamplingParams(stop=...)``) are checked here too, after every sampled token
 (:meth:`LLMEngine._stop_reason`), by decoding only the tail of the samples that ask for them.
+So are per-token logprobs (``SamplingParams(logprobs=k)``), read off the same rows as the sampled
+tokens in ``_sample`` (the fast greedy path leaves the requests that ask for them to it).
 """
 
 from __future__ import annotations
@@ -366,9 +368,16 @@ class LLMEngine:
                 draws = [best[row]] * (p.n if fork else 1)
             else:
                 draws = self.sampler.sample(logprobs[row], p, p.n if fork else 1, req.generator)
-            children = [seq] + [req.new_sequence(list(seq.token_ids)) for _ in draws[1:]]
-            for child, (tok, lp) in zip(children, draws, strict=True):
+            children = [seq] + [
+                req.new_sequence(list(seq.token_ids), logprobs=seq.logprobs) for _ in draws[1:]
+            ]
+            tops = [None] * len(draws)  # per draw: its logprobs entry, if the request asked
+            if seq.logprobs is not None:
+                tops = self.sampler.token_logprobs(logprobs[row], [t for t, _ in draws], p.logprobs)
+            for child, (tok, lp), top in zip(children, draws, tops, strict=True):
                 child.token_ids.append(tok)
+                if top is not None:
+                    child.logprobs.append(top)
                 child.cumulative_logprob += lp
                 child.finish_reason = self._stop_reason(p, child, tok)
                 if child is not seq and not child.finished:

@@ -45,10 +45,11 @@ def request_output(engine, req: Request) -> RequestOutput:
     stop, keep = getattr(p, "stop", ()), getattr(p, "include_stop_str_in_output", False)
     outs = [
         CompletionOutput(
-            s.index, s.output_token_ids, s.cumulative_logprob, s.finish_reason, text, stop, keep
+            s.index, s.output_token_ids, s.cumulative_logprob, s.finish_reason, text, stop, keep,
+            None if s.logprobs is None else list(s.logprobs),  # a copy, as the token ids
         )
         for s in seqs
-    ]
+    ]  # fmt: skip
     return RequestOutput(
         req.request_id,
         req.prompt,

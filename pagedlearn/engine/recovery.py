@@ -125,6 +125,8 @@ class Snapshot:
     def restore(self, req: Request) -> None:
         for seq, n, logprob, reason in self.states:
             del seq.token_ids[n:]
+            if seq.logprobs is not None:  # one per output token: cut with the tokens
+                del seq.logprobs[n - seq.num_prompt_tokens :]
             seq.cumulative_logprob, seq.finish_reason = logprob, reason
         req.seqs, req.done, req.next_seq_index = self.seqs, self.done, self.next_seq_index
         if self.generator_state is not None:

@@ -15,6 +15,10 @@ A sequence's ``token_ids`` are its prompt plus every token sampled so far. The n
 has no K/V yet: it is fed to the model in the next step, which writes its K/V into the slot the
 manager gives it. So between steps the manager holds ``len(token_ids) - 1`` tokens of a running
 sequence, and a sequence that is re-prefilled after a recompute preemption feeds all of them.
+
+A sequence whose request asks for ``SamplingParams.logprobs`` also keeps one dict per sampled
+token (token id -> :class:`Logprob`), in step with its output tokens: a preemption keeps both, a
+step that raised rolls both back (recovery.py), and a forked sample gets its own copy.
 """
 
 from __future__ import annotations
@@ -35,6 +39,17 @@ class RequestStatus(enum.Enum):
 
 
 @dataclass
+class Logprob:
+    """One token's entry in a position's logprobs, as ``vllm.logprobs.Logprob``: its
+    log-probability under the model's raw distribution, and its rank (1: the most likely).
+    ``decoded_token`` is left None by the engine (the server decodes what it sends)."""
+
+    logprob: float
+    rank: int
+    decoded_token: str | None = None
+
+
+@dataclass
 class Sequence:
     """One generated continuation: its tokens, score so far, and why it stopped (if it did)."""
 
@@ -44,6 +59,8 @@ class Sequence:
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     index: int = 0  # its place among the request's outputs
+    # One {token id: Logprob} per output token, if the request asked (SamplingParams.logprobs)
+    logprobs: list[dict[int, Logprob]] | None = None
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -143,15 +160,21 @@ class Request:
     def seq_ids(self) -> list[str]:
         return [s.seq_id for s in self.seqs]
 
-    def new_sequence(self, token_ids: list[int], cumulative_logprob: float = 0.0) -> Sequence:
+    def new_sequence(
+        self, token_ids: list[int], cumulative_logprob: float = 0.0, logprobs: list | None = None
+    ) -> Sequence:
+        """The request's next sequence; ``logprobs``: its output tokens' logprobs so far (a
+        fork's parent's, copied), kept only if the request asks for them."""
         i = self.next_seq_index
         self.next_seq_index += 1
+        wants = getattr(self.params, "logprobs", None) is not None  # beam search: never
         return Sequence(
             f"{self.request_id}.{i}",
             token_ids,
             len(self.prompt_token_ids),
             cumulative_logprob,
             index=i,
+            logprobs=list(logprobs or ()) if wants else None,
         )
 
 
@@ -168,6 +191,9 @@ class CompletionOutput:
     ``text`` holds back its last ``len(longest stop string) - 1`` characters, which may be the
     start of a stop string that the next token completes (nothing with
     ``include_stop_str_in_output``).
+
+    ``logprobs`` (with ``SamplingParams.logprobs``; None otherwise): one dict per token of
+    ``token_ids``, token id -> :class:`Logprob`, holding the sampled token and the k most likely.
     """
 
     index: int
@@ -177,6 +203,7 @@ class CompletionOutput:
     detokenize: Callable[[list[int]], str] | None = field(default=None, repr=False, compare=False)
     stop: tuple[str, ...] = field(default=(), repr=False, compare=False)
     include_stop_str_in_output: bool = field(default=False, repr=False, compare=False)
+    logprobs: list[dict[int, Logprob]] | None = None
 
     @functools.cached_property
     def text(self) -> str:

@@ -2,7 +2,9 @@
 
 The reported log-probability of a token is taken from the model's *raw* distribution
 (``log_softmax(logits)``), before temperature or truncation, so that cumulative log-probabilities
-compare across sampling settings (and equal beam search's scores for the same tokens).
+compare across sampling settings (and equal beam search's scores for the same tokens). The
+per-token logprobs a request may ask for (``SamplingParams.logprobs``) come from the same rows:
+:meth:`Sampler.token_logprobs`.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from pagedlearn.engine.request import Logprob
 from pagedlearn.engine.sampling_params import SamplingParams
 
 
@@ -61,3 +64,28 @@ class Sampler:
         probs = torch.softmax(scores, dim=-1)
         tokens = torch.multinomial(probs, num_samples, replacement=True, generator=generator)
         return [(int(t), float(logprobs[t])) for t in tokens]
+
+    def token_logprobs(
+        self,
+        logprobs: torch.Tensor,  # (vocab,) one row of self.logprobs(...)
+        tokens: list[int],
+        k: int,
+    ) -> list[dict[int, Logprob]]:
+        """vLLM's per-token logprobs of each of ``tokens`` (drawn from this row), as a dict in
+        vLLM's order: the drawn token first, with its log-probability and its rank (1 + the
+        number of tokens strictly more likely), then the ``k`` most likely tokens, ranks 1..k
+        (so k or k + 1 entries). The drawn token among the k keeps its own rank (the two differ
+        only on a tie). Each token gets its own dict, even where several samples drew the same."""
+        top: list[tuple[int, float]] = []
+        if k:
+            values, ids = torch.topk(logprobs, k)  # (k,) best first
+            top = list(zip(ids.tolist(), values.tolist(), strict=True))
+        row = logprobs.numpy()  # the rank through numpy: its comparison costs a few times less
+        out = []
+        for tok in tokens:
+            lp = row[tok]
+            entry = {tok: Logprob(float(lp), 1 + int(np.count_nonzero(row > lp)))}
+            for rank, (t, v) in enumerate(top, start=1):
+                entry.setdefault(t, Logprob(v, rank))
+            out.append(entry)
+        return out

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 from pagedlearn.errors import PagedLearnError
 
+MAX_LOGPROBS = 20  # the most top tokens per position ``logprobs`` may ask for (vLLM's default)
+
 
 def _check_int(name: str, value, low: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < low:
@@ -47,6 +49,10 @@ class SamplingParams:
       ``include_stop_str_in_output``); its ``token_ids`` keep every sampled token, the ones
       that spelled the stop string included, as in vLLM. Only samples with stop strings pay for
       decoding, and only the last few tokens of them per step (``LLMEngine._stop_reason``).
+    - ``logprobs``: None (off), or k in [0, 20]: every sampled token comes with its
+      log-probability and rank (1: the most likely) and the k most likely tokens' (vLLM's
+      semantics; ``CompletionOutput.logprobs``). Values are the model's raw distribution,
+      before temperature, top-k and top-p; only the requests that ask pay for them.
     """
 
     max_tokens: int = 16
@@ -59,6 +65,7 @@ class SamplingParams:
     ignore_eos: bool = False
     stop: tuple[str, ...] = field(default_factory=tuple)  # a str or a list of str is accepted
     include_stop_str_in_output: bool = False
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, 1)
@@ -83,6 +90,12 @@ class SamplingParams:
             raise PagedLearnError(
                 "include_stop_str_in_output must be True or False, got "
                 f"{self.include_stop_str_in_output!r}"
+            )
+        k = self.logprobs
+        bad_k = not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_LOGPROBS
+        if k is not None and bad_k:
+            raise PagedLearnError(
+                f"logprobs must be None or an int in [0, {MAX_LOGPROBS}], got {k!r}"
             )
 
     @property
