@@ -40,6 +40,10 @@ DEV = [
     ("jupytext", "jupytext"),
     ("ruff", "ruff"),
     ("prometheus_client", "prometheus_client"),
+    ("fastapi", "fastapi"),
+    ("uvicorn", "uvicorn"),
+    ("httpx", "httpx"),
+    ("openai", "openai"),
 ]
 
 PROBE_TIMEOUT_S = 120  # the interpreter probe imports torch and Triton in a fresh process

@@ -1,0 +1,274 @@
+"""An OpenAI-compatible HTTP server over the paged engine: ``python -m pagedlearn serve``.
+
+vLLM is mostly used as a server (``vllm serve MODEL``) that speaks OpenAI's API; this package is
+that server, small, on the same stack (FastAPI + uvicorn), so that any OpenAI client -- ``curl``,
+the ``openai`` package, a load generator -- can drive pagedlearn's engine::
+
+    from pagedlearn.serve import serve
+    import openai
+    with serve("tiny-gpt2", port=0) as srv:            # port=0: any free port
+        client = openai.OpenAI(base_url=srv.base_url, api_key="none")
+        out = client.completions.create(model=srv.model_name, prompt="Hello", max_tokens=8)
+        srv.call(lambda engine: engine.stats())        # read live state on the engine thread
+
+Read in this order: ``engine_loop`` (the one thread that owns the ``LLMEngine``; the HTTP side
+talks to it by message), ``streams`` (one request's outputs on the asyncio side), ``protocol``
+(what a request body may say, and its ``SamplingParams``), ``chat`` (messages -> one prompt),
+``responses`` (OpenAI's bodies and stream chunks), ``api_server`` (the routes, errors, API key,
+streaming). This file starts them -- the engine loop on its thread, uvicorn on another -- and
+returns a :class:`ServerHandle`.
+
+The web stack is the ``[serve]`` extra (``pip install "pagedlearn[serve]"``); it is imported only
+when a server starts, so the rest of pagedlearn runs without it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import socket
+import sys
+import threading
+import time
+
+from pagedlearn.errors import PagedLearnError
+
+SERVE_MODULES = ("fastapi", "uvicorn", "pydantic", "prometheus_client")
+DEFAULT_PORT = 8000  # vLLM's
+START_TIMEOUT = 60.0  # seconds uvicorn may take to start listening
+
+
+class ServeUnavailableError(PagedLearnError, ImportError):
+    """The web stack (FastAPI, uvicorn, ...) is not installed."""
+
+
+def _require() -> None:
+    missing = []
+    for name in SERVE_MODULES:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            missing.append(name)
+    if missing:
+        raise ServeUnavailableError(
+            f'the server needs {", ".join(missing)}: pip install "pagedlearn[serve]"'
+        )
+
+
+class ServerHandle:
+    """A running server: where it listens, its engine, and :meth:`stop`."""
+
+    def __init__(self, llm, loop, server, thread, url: str, model_name: str) -> None:
+        self.llm, self.engine, self.model_name = llm, llm.engine, model_name
+        self.url, self.base_url = url, url + "/v1"
+        self._loop, self._server, self._thread = loop, server, thread
+        self._stopped = False
+
+    def call(self, fn, timeout: float = 30.0):
+        """``fn(engine)`` run on the engine thread between steps; returns its result (or raises
+        its error). The way to read or change live state while the server runs."""
+        return self._loop.call(fn).result(timeout)
+
+    def wait(self) -> None:
+        """Block until the server stops (Ctrl-C raises ``KeyboardInterrupt`` out of it)."""
+        while self._thread.is_alive():
+            self._thread.join(0.5)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop taking connections, abort what runs (their clients get an error), end both
+        threads. Idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
+        self._server.should_exit = True  # uvicorn: stop accepting, finish what is in flight
+        self._loop.stop(timeout)  # aborts every request: the streams end with an error
+        self._thread.join(timeout)
+
+    def __enter__(self) -> ServerHandle:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        return f"ServerHandle({self.model_name!r} at {self.url})"
+
+
+def serve(
+    model="tiny-gpt2",
+    *,
+    host: str = "127.0.0.1",
+    port: int = DEFAULT_PORT,
+    api_key: str | None = None,
+    served_model_name: str | None = None,
+    **llm_kwargs,
+) -> ServerHandle:
+    """Start serving ``model`` (a name :class:`~pagedlearn.LLM` loads, with ``llm_kwargs``; or an
+    ``LLM`` already built, whose engine the server then owns until ``stop()``) on
+    ``host:port`` (``port=0``: a free port) and return once it listens. ``api_key``: required
+    as ``Authorization: Bearer`` on ``/v1/*``. ``served_model_name``: the name clients send
+    (default: the model's)."""
+    _require()
+    import uvicorn
+
+    from pagedlearn.engine.llm import LLM
+    from pagedlearn.serve.api_server import build_app
+    from pagedlearn.serve.engine_loop import EngineLoop
+
+    if isinstance(model, LLM) and llm_kwargs:
+        raise PagedLearnError(
+            f"serve() got an LLM and LLM options ({', '.join(llm_kwargs)}): give one or the other"
+        )
+    sock = _bind(host, port)  # first: a port in use fails before a model is loaded
+    loop = None
+    try:
+        llm = model if isinstance(model, LLM) else LLM(model, **llm_kwargs)
+        name = served_model_name or str(llm.model_name)
+        loop = EngineLoop(llm.engine).start()
+        app = build_app(loop, name, llm.engine.max_model_len, api_key)
+        config = uvicorn.Config(
+            app, log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=5
+        )
+        server = uvicorn.Server(config)
+        thread = threading.Thread(
+            target=server.run, kwargs={"sockets": [sock]}, name="pagedlearn-http", daemon=True
+        )
+        thread.start()
+        deadline = time.monotonic() + START_TIMEOUT
+        while not server.started:
+            if not thread.is_alive() or time.monotonic() > deadline:
+                server.should_exit = True
+                raise PagedLearnError("the HTTP server did not start (see the log above)")
+            time.sleep(0.01)
+    except BaseException:
+        if loop is not None:
+            loop.stop()
+        sock.close()
+        raise
+    bound = sock.getsockname()[1]
+    return ServerHandle(llm, loop, server, thread, _url(host, bound), name)
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port``. Its protocol is named (IPPROTO_TCP, not 0):
+    asyncio turns Nagle's algorithm off only on sockets that say they are TCP, and with it on,
+    every response written in two pieces waits ~40 ms for the client's delayed ACK."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # restart at once on a port
+        sock.bind((host, port))
+        sock.listen(2048)
+        return sock
+    except OSError as e:
+        sock.close()
+        raise PagedLearnError(
+            f"cannot listen on {host}:{port} ({e.strerror or e}); pick another --port "
+            "(0: any free one) or --host"
+        ) from None
+
+
+def _url(host: str, port: int) -> str:
+    local = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
+    return f"http://[{local}]:{port}" if ":" in local else f"http://{local}:{port}"
+
+
+# --- the command line -----------------------------------------------------------------------------
+def _count(low: int, high: int | None = None):
+    """An argparse ``type``: an integer in ``[low, high]``."""
+
+    def parse(text: str) -> int:
+        import argparse
+
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+        if value < low or (high is not None and value > high):
+            bound = f"at least {low}" if high is None else f"in [{low}, {high}]"
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {value}")
+        return value
+
+    return parse
+
+
+def add_arguments(parser) -> None:
+    """The ``serve`` command's options (``python -m pagedlearn serve --help``)."""
+    parser.add_argument(
+        "--model", default="tiny-gpt2", help="tiny-gpt2 (offline), gpt2, facebook/opt-125m, a path"
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: all)")
+    port = _count(0, 65535)
+    parser.add_argument("--port", type=port, default=DEFAULT_PORT, help="0: any free port")
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("PAGEDLEARN_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on /v1/* (default: $PAGEDLEARN_API_KEY; "
+        "none: open)",
+    )
+    parser.add_argument(
+        "--served-model-name", default=None, help="the name clients send (default: --model's)"
+    )
+    parser.add_argument("--block-size", type=_count(1), default=16, help="tokens per block")
+    parser.add_argument(
+        "--num-blocks", type=_count(1), default=None,
+        help="blocks in the pool (default: what LLM sizes from the memory budget)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--preemption-mode", choices=("recompute", "swap"), default="recompute",
+        help="when the pool runs out: free a request's blocks and recompute it later, or swap "
+        "its blocks to a CPU pool and back",
+    )  # fmt: skip
+    parser.add_argument(
+        "--backend", choices=("auto", "torch", "triton", "reference"), default="auto",
+        help="attention: auto = Triton on a GPU, torch (SDPA over the paged cache) on a CPU",
+    )  # fmt: skip
+    parser.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
+    parser.add_argument(
+        "--max-num-seqs", type=_count(1), default=64, help="sequences one step may run"
+    )
+    parser.add_argument(
+        "--swap-blocks", type=_count(0), default=None,
+        help="blocks in the CPU swap pool (default: as many as the pool with --preemption-mode "
+        "swap, else none)",
+    )  # fmt: skip
+
+
+def cli(args) -> int:
+    """``python -m pagedlearn serve``: serve until Ctrl-C. Exit 1 if it cannot start."""
+    try:
+        srv = serve(
+            args.model,
+            host=args.host,
+            port=args.port,
+            api_key=args.api_key or None,
+            served_model_name=args.served_model_name,
+            block_size=args.block_size,
+            num_blocks=args.num_blocks,
+            preemption_mode=args.preemption_mode,
+            attention_backend=args.backend,
+            enable_prefix_caching=not args.no_prefix_caching,
+            max_num_seqs=args.max_num_seqs,
+            swap_blocks=args.swap_blocks,
+        )
+    except PagedLearnError as e:
+        print(f"serve stopped: {e}", file=sys.stderr)
+        return 1
+    key = "$PAGEDLEARN_API_KEY" if args.api_key == os.environ.get("PAGEDLEARN_API_KEY") else "KEY"
+    auth = f' -H "Authorization: Bearer {key}"' if args.api_key else ""  # (never the key itself)
+    body = f'{{"model": "{srv.model_name}", "prompt": "Hello, my name is", "max_tokens": 16}}'
+    print(f"pagedlearn: serving {srv.model_name} at {srv.base_url} (Ctrl-C stops it)")
+    print(
+        f"  try: curl {srv.base_url}/completions -H 'Content-Type: application/json'{auth} "
+        f"-d '{body}'"
+    )
+    try:
+        srv.wait()
+    except KeyboardInterrupt:
+        print("pagedlearn: stopping")
+    finally:
+        srv.stop()
+    return 0
+
+
+__all__ = ["ServeUnavailableError", "ServerHandle", "add_arguments", "cli", "serve"]

@@ -1,0 +1,301 @@
+"""The HTTP side: a FastAPI app with OpenAI's routes over an :class:`EngineLoop` (vLLM's
+``api_server.py``, small).
+
+::
+
+    POST /v1/completions        ┐  body checked (protocol.py) ─> prompt token ids ─> SamplingParams
+    POST /v1/chat/completions   ┘  ─> loop.add_request ─> stream ─> one JSON body, or SSE chunks
+    GET  /v1/models                the one model served
+    GET  /health                   200, or 503 once the engine is broken or stopped
+    GET  /metrics                  Prometheus text, read on the engine thread (loop.call)
+
+Streaming is Server-Sent Events: ``data: {chunk}\\n\\n`` per chunk, ``data: [DONE]\\n\\n`` last.
+A client that goes away is noticed at once (uvicorn tells the app): a stream's generator is
+cancelled by Starlette, a non-streaming request is raced against the disconnect
+(:func:`_unless_disconnected`, as vLLM's ``with_cancellation``); either way the request is
+aborted on the engine and its blocks go back to the pool.
+
+Every error is OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}`` with ``code``
+the HTTP status: a bad body is a 400 naming the field (never FastAPI's 422), an unknown model a
+404, a wrong or missing ``Authorization: Bearer`` key a 401 on ``/v1/*`` when the server has a
+key (``/health`` and ``/metrics`` stay open, as in vLLM), a stopped or broken engine a 503. A
+failure of the engine while streaming arrives as a last ``data: {"error": ...}`` event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import hmac
+import json
+import re
+from http import HTTPStatus
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pagedlearn.engine.admission import RequestRejectedError
+from pagedlearn.engine.prometheus import prometheus_text
+from pagedlearn.serve.chat import chat_prompt_ids
+from pagedlearn.serve.engine_loop import EngineDeadError, EngineLoop, RequestStream
+from pagedlearn.serve.protocol import ChatCompletionRequest, CompletionRequest, ProtocolError
+from pagedlearn.serve.responses import Reply
+
+ERROR_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    404: "NotFoundError",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict:
+    kind = ERROR_TYPES.get(status) or HTTPStatus(status).phrase.replace(" ", "") + "Error"
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
+def error_response(
+    status: int, message: str, param: str | None = None, headers=None
+) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
+
+
+def build_app(
+    loop: EngineLoop, model_name: str, max_model_len: int, api_key: str | None = None
+) -> FastAPI:
+    """The app: OpenAI's routes serving ``model_name`` from ``loop``'s engine."""
+    app = FastAPI(title="pagedlearn", summary="PagedAttention, small: an OpenAI-compatible server")
+    tokenizer = loop.engine.tokenizer
+    _install_error_handlers(app)
+    if api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name != model_name:
+            raise ProtocolError(f"The model `{name}` does not exist.", "model", 404)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if loop.error:
+            return error_response(503, loop.error)
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        page = await asyncio.wrap_future(loop.call(lambda e: prometheus_text(e, model_name)))
+        return Response(page, media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        card = {
+            "id": model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "pagedlearn",
+            "root": str(loop.engine.model_name),
+            "parent": None,
+            "max_model_len": max_model_len,
+        }
+        return {"object": "list", "data": [card]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, raw: Request) -> Response:
+        check_model(body.model)
+        prompt = body.one_prompt()
+        # Tokenized here, on the event loop, so that the context check can say the prompt's
+        # length (the engine only ever sees ids). The tokenizer is shared with the engine
+        # thread, which only decodes: a Hugging Face tokenizer encodes and decodes from two
+        # threads safely as long as nobody changes its truncation or padding settings.
+        ids = list(tokenizer.encode(prompt)) if isinstance(prompt, str) else prompt
+        return await serve_one(raw, body, "completion", ids)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
+        check_model(body.model)
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        ids = chat_prompt_ids(tokenizer, messages)
+        return await serve_one(raw, body, "chat", ids)
+
+    async def serve_one(raw: Request, body, kind: str, ids: list[int]) -> Response:
+        """Both endpoints from here: the prompt's token ids in, one response out."""
+        params = body.sampling_params(len(ids), max_model_len)
+        reply = Reply(kind, model_name, tokenizer, params.logprobs)
+        stream_it = bool(body.stream)
+        try:
+            stream = await loop.add_request(reply.id, ids, params, body.cache_salt, stream_it)
+        except RequestRejectedError as e:  # the engine's admission: the message names why
+            why = str(e).replace(f"request {reply.id!r}", "this request")
+            raise ProtocolError(why, "n" if "sequences" in why else "prompt") from None
+        if stream_it:
+            usage = bool(body.stream_options and body.stream_options.include_usage)
+            events = _sse(stream, reply, params.n, usage)
+            # (the background task: a client gone before the first chunk never starts _sse)
+            done = BackgroundTask(stream.cancel)
+            return StreamingResponse(events, media_type="text/event-stream", background=done)
+        try:
+            out = await _unless_disconnected(raw, _last(stream))
+        finally:
+            stream.cancel()  # (nothing, once the final output was read)
+        if out is None:  # the client is gone: nobody reads this
+            return Response(status_code=499)
+        if failed := _failure(out):
+            return error_response(500, failed)
+        return JSONResponse(reply.response(out))
+
+    return app
+
+
+async def _last(stream: RequestStream):
+    out = None
+    async for out in stream:  # noqa: B007 (a non-streaming request: one, final output)
+        pass
+    return out
+
+
+def _failure(out) -> str | None:
+    """Why the engine failed ``out`` (finish reason "error"), or None."""
+    if any(c.finish_reason == "error" for c in out.outputs):
+        return out.error or "the engine failed this request"
+    return None
+
+
+async def _sse(stream: RequestStream, reply: Reply, n: int, include_usage: bool):
+    """The SSE body of a streaming request. Cancelled when the client goes away: the
+    ``finally`` aborts the request."""
+    try:
+        for chunk in reply.opening(n):
+            yield _event(chunk)
+        out = None
+        async for out in stream:
+            if failed := _failure(out):
+                yield _event(error_body(500, failed))
+                break
+            for chunk in reply.chunks(out):
+                yield _event(chunk)
+        else:
+            if include_usage and out is not None:
+                yield _event(reply.usage_chunk(out))
+    except Exception as e:  # the engine stopped or broke (EngineDeadError, RequestLostError)
+        status = 503 if isinstance(e, EngineDeadError) else 500
+        yield _event(error_body(status, str(e)))
+    finally:
+        stream.cancel()
+    yield "data: [DONE]\n\n"
+
+
+def _event(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+async def _unless_disconnected(raw: Request, work):
+    """``await work``, unless the client disconnects first: then ``work`` is cancelled (its
+    ``finally`` aborts the request) and None is returned."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(raw))
+    try:
+        done, _ = await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in (task, gone):
+            if not t.done():
+                t.cancel()
+    if task in done:
+        return task.result()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    return None
+
+
+async def _disconnected(raw: Request) -> None:
+    while (await raw.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        param, message = describe_validation_error(list(exc.errors()))
+        return error_response(400, message, param)
+
+    @app.exception_handler(ProtocolError)
+    async def refused(request: Request, exc: ProtocolError) -> JSONResponse:
+        return error_response(exc.status, str(exc), exc.param)
+
+    @app.exception_handler(EngineDeadError)
+    async def dead(request: Request, exc: EngineDeadError) -> JSONResponse:
+        return error_response(503, str(exc))
+
+    @app.exception_handler(Exception)
+    async def bug(request: Request, exc: Exception) -> JSONResponse:
+        # (RequestLostError, or a bug: still OpenAI's shape; uvicorn logs the traceback)
+        return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # an unknown route (404), a method it does not take (405, with its Allow header), ...
+        return error_response(exc.status_code, str(exc.detail), headers=exc.headers)
+
+
+def describe_validation_error(errors: list[dict]) -> tuple[str | None, str]:
+    """pydantic's errors (FastAPI's ``RequestValidationError``) as ``(param, message)``: the
+    field the first is about, and a sentence that names it. A field that takes several types
+    (``prompt``: text or token ids) gets one error per type: they are said together."""
+    err = errors[0]
+    loc = _field_path(err)
+    field = ".".join(loc) or None
+    kind = err.get("type")
+    if kind == "json_invalid":
+        why = (err.get("ctx") or {}).get("error", err.get("msg"))
+        return None, f"the request body is not valid JSON: {why}"
+    if kind == "missing" and not loc:
+        return None, "the request body is empty: send a JSON object"
+    if kind == "model_attributes_type" and not loc:
+        return None, f"the request body must be a JSON object, got {err.get('input')!r:.80}"
+    if kind == "extra_forbidden":
+        return field, f"unknown field {field!r}: pagedlearn's server does not take it"
+    if kind == "missing":
+        return field, f"{field} is required"
+    same = dict.fromkeys(e["msg"] for e in errors if _field_path(e) == loc)  # (ordered set)
+    return field, f"{field}: {' or '.join(same)} (got {err.get('input')!r:.80})"
+
+
+def _field_path(err: dict) -> list[str]:
+    """An error's location without "body" and without pydantic's union tags (the name of the
+    type it tried: ``str``, ``list[int]``, ``TextPart``)."""
+    return [
+        str(p)
+        for p in err.get("loc", ())
+        if p != "body" and not (isinstance(p, str) and _UNION_TAG.match(p))
+    ]
+
+
+_UNION_TAG = re.compile(r"^(str|int|float|bool|none|[A-Z]\w*|\w+\[.*\])$")
+
+
+class ApiKeyMiddleware:
+    """Refuse ``/v1/*`` without ``Authorization: Bearer <api_key>`` (401), as vLLM's
+    ``--api-key`` does; ``/health`` and ``/metrics`` stay open. A plain ASGI middleware: it
+    runs before the body is read, and never wraps a stream."""
+
+    def __init__(self, app, api_key: str) -> None:
+        self.app = app
+        self._digest = hashlib.sha256(api_key.encode()).digest()
+
+    def _ok(self, scope) -> bool:
+        headers = dict(scope.get("headers") or ())
+        scheme, _, token = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
+        given = hashlib.sha256(token.strip().encode()).digest()
+        return scheme.lower() == "bearer" and hmac.compare_digest(given, self._digest)
+
+    async def __call__(self, scope, receive, send) -> None:
+        guarded = scope["type"] == "http" and scope.get("method") != "OPTIONS"
+        if guarded and scope["path"].startswith("/v1") and not self._ok(scope):
+            message = "invalid or missing API key: send the header 'Authorization: Bearer <key>'"
+            await error_response(401, message)(scope, receive, send)
+            return
+        await self.app(scope, receive, send)

@@ -1,0 +1,255 @@
+"""What a client may send: OpenAI's request bodies (pydantic models), checked and turned into
+:class:`~pagedlearn.SamplingParams`.
+
+Two endpoints take a body: ``POST /v1/completions`` (:class:`CompletionRequest`) and
+``POST /v1/chat/completions`` (:class:`ChatCompletionRequest`). Their fields are OpenAI's, plus
+vLLM's extensions that pagedlearn's engine implements (``top_k``, ``ignore_eos``,
+``stop_token_ids``, ``include_stop_str_in_output``, ``cache_salt``). A body is refused with a
+400 that names the field when:
+
+- a field is unknown (``extra="forbid"``): a typo never passes silently, and neither does a
+  field of OpenAI's that pagedlearn has no code for at all (``tools``' relatives, ``min_p``, ...);
+- a field pagedlearn does not implement has a value other than its neutral one (:data:`NEUTRAL`:
+  ``presence_penalty`` 0, ``echo`` false, ``best_of`` equal to ``n``, ...): a client that sends
+  the defaults works, one that asks for the feature learns it is missing;
+- a value has the wrong type (pydantic) or is out of range (``SamplingParams``' own checks);
+- the prompt plus ``max_tokens`` do not fit the model's context (vLLM's wording).
+
+Defaults are OpenAI's: ``temperature`` 1 (sampling: send 0 for greedy), ``top_p`` 1, ``n`` 1;
+``max_tokens`` 16 for completions, and for chat (or an explicit ``null``) the rest of the context,
+as vLLM does.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from pagedlearn.engine.sampling_params import SamplingParams
+from pagedlearn.errors import PagedLearnError
+
+
+class ProtocolError(PagedLearnError, ValueError):
+    """A request body the server refuses (HTTP 400 unless ``status`` says otherwise); ``param``
+    names the field."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400) -> None:
+        super().__init__(message)
+        self.param, self.status = param, status
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Body):
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False  # (vLLM's; accepted at its neutral value)
+
+
+class _SamplingRequest(_Body):
+    """The fields both endpoints share."""
+
+    model: str | None = None  # None: the one model served (vLLM accepts that too)
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # vLLM's extension; None, 0 or -1: off
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # OpenAI's end-user id: accepted, not used
+    # OpenAI's, not implemented: accepted only at their neutral value (NEUTRAL)
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    # vLLM's extensions
+    cache_salt: str | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    max_tokens: int | None = None  # (each endpoint has its own default)
+
+    # what the context check names when the prompt alone is too long
+    prompt_field: ClassVar[str] = "prompt"
+
+    def check(self) -> None:
+        """Refuse what pagedlearn does not implement, and vLLM's own cross-field rules."""
+        for name, (neutral, allowed) in NEUTRAL.items():
+            if name in type(self).model_fields and not neutral(getattr(self, name), self):
+                raise ProtocolError(
+                    f"{name}={getattr(self, name)!r} is not supported by pagedlearn's server "
+                    f"(it accepts only {allowed}); leave it out",
+                    name,
+                )
+        if self.stream_options is not None and not self.stream:
+            raise ProtocolError(
+                "Stream options can only be defined when `stream=True`.", "stream_options"
+            )
+        if self.stream_options is not None and self.stream_options.continuous_usage_stats:
+            raise ProtocolError(
+                "stream_options.continuous_usage_stats=true is not supported by pagedlearn's "
+                "server (include_usage is: one usage chunk at the end)",
+                "stream_options",
+            )
+        if self.cache_salt is not None and not self.cache_salt:
+            raise ProtocolError("cache_salt must be a non-empty string", "cache_salt")
+
+    def requested_max_tokens(self) -> tuple[int | None, str]:
+        """The ``max_tokens`` asked for, and the name of the field that asked."""
+        return self.max_tokens, "max_tokens"
+
+    def logprobs_k(self) -> int | None:
+        return None
+
+    def sampling_params(self, prompt_len: int, max_model_len: int) -> SamplingParams:
+        """The engine's parameters for a prompt of ``prompt_len`` tokens (400s: ProtocolError)."""
+        self.check()
+        asked, field = self.requested_max_tokens()
+        max_tokens = resolve_max_tokens(asked, prompt_len, max_model_len, field, self.prompt_field)
+        top_k = -1 if self.top_k in (None, 0) else self.top_k
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens,
+                temperature=1.0 if self.temperature is None else self.temperature,
+                top_p=1.0 if self.top_p is None else self.top_p,
+                top_k=top_k,
+                seed=self.seed,
+                n=self.n,
+                stop=self.stop or None,
+                stop_token_ids=tuple(self.stop_token_ids or ()),
+                ignore_eos=self.ignore_eos,
+                include_stop_str_in_output=self.include_stop_str_in_output,
+                logprobs=self.logprobs_k(),
+            )
+        except PagedLearnError as e:  # SamplingParams' messages start with the field's name
+            name = str(e).split(" ", 1)[0]
+            raise ProtocolError(str(e), self.param_name(name)) from None
+
+    def param_name(self, name: str) -> str:
+        return name
+
+
+class CompletionRequest(_SamplingRequest):
+    """``POST /v1/completions``: one prompt, as text or token ids."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None  # k: the sampled token's logprob and the k most likely
+    echo: bool | None = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def one_prompt(self) -> str | list[int]:
+        """The prompt; a batch of prompts in one body (OpenAI allows it) is refused."""
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            if len(p) != 1:
+                raise ProtocolError(
+                    f"pagedlearn's server takes one prompt per request, got a list of {len(p)}; "
+                    "send them as separate requests (they are batched together anyway)",
+                    "prompt",
+                )
+            p = p[0]
+        return p
+
+    def logprobs_k(self) -> int | None:
+        return self.logprobs
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    """``POST /v1/chat/completions``: messages, turned into one prompt by chat.py."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None  # OpenAI's newer name; wins over max_tokens
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    # OpenAI's, not implemented: accepted only at their neutral value (NEUTRAL)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
+
+    def check(self) -> None:
+        super().check()
+        if self.top_logprobs and not self.logprobs:
+            raise ProtocolError(
+                "when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs"
+            )
+
+    prompt_field: ClassVar[str] = "messages"
+
+    def requested_max_tokens(self) -> tuple[int | None, str]:
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens, "max_completion_tokens"
+        return self.max_tokens, "max_tokens"
+
+    def logprobs_k(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def param_name(self, name: str) -> str:
+        return "top_logprobs" if name == "logprobs" else name
+
+
+# Fields OpenAI defines and pagedlearn does not implement: (is the value neutral?, in words).
+NEUTRAL = {
+    "presence_penalty": (lambda v, r: not v, "0 or null"),
+    "frequency_penalty": (lambda v, r: not v, "0 or null"),
+    "logit_bias": (lambda v, r: not v, "{} or null"),
+    "echo": (lambda v, r: not v, "false"),
+    "suffix": (lambda v, r: not v, '"" or null'),
+    "best_of": (lambda v, r: v is None or v == r.n, "null or best_of == n"),
+    "tools": (lambda v, r: not v, "[] or null"),
+    "tool_choice": (lambda v, r: v in (None, "none"), '"none" or null'),
+    "response_format": (lambda v, r: not v or v == {"type": "text"}, '{"type": "text"} or null'),
+}
+
+
+def resolve_max_tokens(
+    max_tokens: int | None,
+    prompt_len: int,
+    max_model_len: int,
+    field: str = "max_tokens",
+    prompt_field: str = "prompt",
+) -> int:
+    """``max_tokens`` checked against the context (vLLM's rules and wording); None: the rest of
+    the context."""
+    if max_tokens is not None and max_tokens < 1:
+        raise ProtocolError(f"{field} must be at least 1, got {max_tokens}.", field)
+    if max_tokens is None:
+        if prompt_len >= max_model_len:
+            raise ProtocolError(
+                f"This model's maximum context length is {max_model_len} tokens. However, your "
+                f"prompt contains {prompt_len} input tokens, which leaves no room for a "
+                "completion. Please reduce the length of the input prompt.",
+                prompt_field,
+            )
+        return max_model_len - prompt_len
+    if prompt_len + max_tokens > max_model_len:
+        raise ProtocolError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, "
+            f"{max_tokens} in the completion). Please reduce the length of the prompt or "
+            "completion.",
+            field,
+        )
+    return max_tokens
