@@ -1,5 +1,5 @@
 """Command line: ``python -m pagedlearn {demo, blocks, check-env, paper, figures, labs, grade,
-loadtest}``.
+loadtest, serve}``.
 
 Options are checked before any work starts (no model loaded, nothing simulated): a bad number, an
 unknown option, an output directory that cannot be created or written ends at once with the
@@ -187,7 +187,28 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
         "check failed; [--]: something the options could not exercise, exit 0)",
     )
     lt.add_argument(
-        "--model", default="tiny-gpt2", help="tiny-gpt2 (offline, a few seconds), gpt2, a path"
+        "--model",
+        default=None,
+        help="in-process: tiny-gpt2 (the default; offline, a few seconds), gpt2, a path; with "
+        "--endpoint: the served model's name (default: the first the server lists)",
+    )
+    lt.add_argument(
+        "--endpoint",
+        metavar="URL",
+        default=None,
+        help="drive an OpenAI-compatible server over HTTP instead (pagedlearn's, vLLM's, "
+        "SGLang's: e.g. http://127.0.0.1:8000); the pool options below are then the server's own",
+    )
+    lt.add_argument(
+        "--api-key",
+        default=None,
+        help="with --endpoint: the server's API key (default: $OPENAI_API_KEY, if set)",
+    )
+    lt.add_argument(
+        "--timeout",
+        type=float,
+        default=60.0,
+        help="with --endpoint: seconds a request may take before it counts as lost",
     )
     lt.add_argument(
         "--num-requests",
@@ -205,8 +226,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
     lt.add_argument(
         "--block-size",
         type=int_in(1, demo.MAX_BLOCK_SIZE, "a block longer than the model's context never fills"),
-        default=16,
-        help="tokens per block",
+        default=None,
+        help="tokens per block (default: 16)",
     )
     lt.add_argument(
         "--num-blocks",
@@ -228,7 +249,20 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
         metavar="PATH",
         help="write the engine's metrics there after the run, in Prometheus' text format",
     )
+    from pagedlearn.serve import add_arguments as add_serve_arguments
+
+    add_serve_arguments(
+        command(
+            "serve",
+            "an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, "
+            "/v1/models, /health, /metrics) over the paged engine; Ctrl-C stops it",
+        )
+    )
     return parser, parsers
+
+
+# What only the in-process load test has: the server's pool and metrics are its own.
+IN_PROCESS_ONLY = ("block_size", "num_blocks", "swap_blocks", "prometheus")
 
 
 def arrival_rate(text: str) -> float:
@@ -315,10 +349,24 @@ def main(argv: list[str] | None = None) -> int:
         report(quick=args.quick, figures_dir=args.figures)
         return 0
 
+    if args.command == "serve":
+        from pagedlearn.serve import cli as serve_cli
+
+        return serve_cli(args)
+    if args.command == "loadtest" and args.endpoint is not None:
+        for name in IN_PROCESS_ONLY:
+            if getattr(args, name) is not None:
+                option = "--" + name.replace("_", "-")
+                own.error(f"argument {option}: not with --endpoint (the server has its own)")
+        from pagedlearn.loadtest_http import cli as http_cli
+
+        return http_cli(args)
     if args.command == "loadtest":
         from pagedlearn.errors import PagedLearnError
         from pagedlearn.loadtest import LoadTestOptionError, cli
 
+        args.model = args.model or "tiny-gpt2"
+        args.block_size = args.block_size or 16
         try:
             return cli(args)
         except LoadTestOptionError as e:  # the pool against the model's context: a usage error
