@@ -425,3 +425,16 @@ def test_tails_group_every_request_by_the_fewest_free_blocks_it_lived_through(re
     assert sum(r["preempted"] for r in rows) == sum(r["num_preemptions"] > 0 for r in served)
     assert all(r["ttft_p50"] <= r["ttft_p99"] for r in rows if r["requests"])
     assert tails_by_headroom([report, report])[0]["requests"] == 2 * rows[0]["requests"]
+
+
+@pytest.mark.parametrize(
+    "option, value", [("--block-size", "16"), ("--num-blocks", "64"), ("--swap-blocks", "8")]
+)
+def test_in_process_pool_options_are_refused_with_an_endpoint(option, value, capsys):
+    # The server's pool is its own: an option that would size a pool here is a usage error
+    # there, before anything is sent (nothing listens at this URL: it is never reached).
+    with pytest.raises(SystemExit) as exc:
+        main(["loadtest", "--endpoint", "http://127.0.0.1:9", option, value])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {option}: not with --endpoint" in err and "Traceback" not in err

@@ -257,10 +257,11 @@ def cli(args) -> int:
     key = "$PAGEDLEARN_API_KEY" if args.api_key == os.environ.get("PAGEDLEARN_API_KEY") else "KEY"
     auth = f' -H "Authorization: Bearer {key}"' if args.api_key else ""  # (never the key itself)
     body = f'{{"model": "{srv.model_name}", "prompt": "Hello, my name is", "max_tokens": 16}}'
-    print(f"pagedlearn: serving {srv.model_name} at {srv.base_url} (Ctrl-C stops it)")
+    print(f"pagedlearn: serving {srv.model_name} at {srv.base_url} (Ctrl-C stops it)", flush=True)
     print(
         f"  try: curl {srv.base_url}/completions -H 'Content-Type: application/json'{auth} "
-        f"-d '{body}'"
+        f"-d '{body}'",
+        flush=True,  # a log file or a pipe sees where it listens now, not at exit
     )
     try:
         srv.wait()

@@ -30,6 +30,7 @@ import hashlib
 import hmac
 import json
 import re
+import time
 from http import HTTPStatus
 
 from fastapi import FastAPI, Request
@@ -72,6 +73,7 @@ def build_app(
     """The app: OpenAI's routes serving ``model_name`` from ``loop``'s engine."""
     app = FastAPI(title="pagedlearn", summary="PagedAttention, small: an OpenAI-compatible server")
     tokenizer = loop.engine.tokenizer
+    started = int(time.time())  # /v1/models' "created": when this server started serving it
     _install_error_handlers(app)
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
@@ -96,7 +98,7 @@ def build_app(
         card = {
             "id": model_name,
             "object": "model",
-            "created": 0,
+            "created": started,
             "owned_by": "pagedlearn",
             "root": str(loop.engine.model_name),
             "parent": None,
