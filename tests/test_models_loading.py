@@ -410,3 +410,19 @@ def test_gpt2_size_random_is_gpt2_small_offline_and_the_same_every_time():
     assert a.tokenizer.decode(a.tokenizer.encode("hi")) == "hi"
     wa, wb = a.model.transformer.wte.weight, b.model.transformer.wte.weight
     assert wa.shape == (50257, 768) and torch.equal(wa, wb)
+
+
+def test_every_id_gpt2_size_random_may_sample_decodes_to_text():
+    # Random weights sample any of GPT-2's 50,257 ids: past the bytes they decode as id % 256,
+    # so a server (or a stop string) can read its text; the bytes and specials are unchanged.
+    from pagedlearn.models.tokenizer import ByteTokenizer, TokenizerError
+
+    tok = load("gpt2-size-random").tokenizer
+    assert len(tok) == 50257 and tok.decode([72, 105, 256]) == "Hi"
+    assert tok.decode([72 + 256 * 100, 105 + 256 * 3]) == "Hi"
+    with pytest.raises(TokenizerError, match="outside the byte vocabulary"):
+        tok.decode([50257])
+    with pytest.raises(TokenizerError, match="outside the byte vocabulary"):
+        ByteTokenizer().decode([300])  # the tiny models' 258 ids: as before
+    with pytest.raises(TokenizerError, match="at least 258"):
+        ByteTokenizer(vocab_size=100)

@@ -112,7 +112,9 @@ def load(model: Any, tokenizer: Any = None, dtype: Any = None) -> LoadedModel:
 
 def _load_offline(name: str, tokenizer: Any, dtype: torch.dtype | None) -> LoadedModel:
     model = offline.build(name)
-    return _ready(model, tokenizer if tokenizer is not None else ByteTokenizer(), name, dtype)
+    if tokenizer is None:  # every id the model may sample decodes (gpt2-size-random: 50,257)
+        tokenizer = ByteTokenizer(vocab_size=model.config.vocab_size)
+    return _ready(model, tokenizer, name, dtype)
 
 
 def _load_auto(tokenizer: Any, dtype: torch.dtype | None) -> LoadedModel:
@@ -234,7 +236,7 @@ def _tokenizer_of(model: PreTrainedModel) -> Any:
     from transformers import AutoTokenizer
 
     if getattr(model.config, "pagedlearn_tokenizer", None) == "byte":
-        return ByteTokenizer()
+        return ByteTokenizer(vocab_size=model.config.vocab_size)
     try:
         return AutoTokenizer.from_pretrained(model.config.name_or_path, local_files_only=True)
     except Exception as e:  # no name in the config, not cached, no tokenizer files, ...

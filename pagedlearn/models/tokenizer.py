@@ -8,10 +8,16 @@ no files anywhere, so they use the simplest tokenizer there is: one token per UT
 - 256 is ``<|endoftext|>``, the end-of-sequence token (GPT-2's name for it);
 - 257 is ``<pad>``, which only fills out batches and never carries meaning.
 
-So ``vocab_size`` is 258, and a prompt of *n* ASCII characters is exactly *n* tokens -- handy when a
-lab wants to fill exactly three KV-cache blocks. It has the few members of a Hugging Face tokenizer
-that pagedlearn uses (``encode``, ``decode``, ``eos_token_id``, ``pad_token_id``), so code written
-against it also runs with ``AutoTokenizer``.
+A model with more ids than that -- ``gpt2-size-random`` has GPT-2's 50,257, and random weights
+sample any of them -- gets ``ByteTokenizer(vocab_size=50257)``: an id past the 258 decodes as
+the byte ``id % 256``. The text is gibberish either way; this way it is as long as the tokens
+that made it, and stop strings match about as often as on ``tiny-gpt2`` (a server, or a load
+test, can then run it like any other model).
+
+So ``vocab_size`` is 258 (unless given), and a prompt of *n* ASCII characters is exactly *n*
+tokens -- handy when a lab wants to fill exactly three KV-cache blocks. It has the few members of
+a Hugging Face tokenizer that pagedlearn uses (``encode``, ``decode``, ``eos_token_id``,
+``pad_token_id``), so code written against it also runs with ``AutoTokenizer``.
 
 >>> tok = ByteTokenizer()
 >>> tok.encode("hé!")
@@ -42,12 +48,23 @@ class ByteTokenizer:
     PAD_TOKEN = "<pad>"
 
     name_or_path = "pagedlearn/byte"
-    vocab_size = NUM_BYTES + 2
+    vocab_size = NUM_BYTES + 2  # unless a model with more ids asks for more (see above)
     eos_token_id = NUM_BYTES  # 256
     pad_token_id = NUM_BYTES + 1  # 257
     bos_token_id = None  # like GPT-2, nothing is put in front of a prompt
     eos_token = EOS_TOKEN
     pad_token = PAD_TOKEN
+
+    def __init__(self, vocab_size: int | None = None) -> None:
+        if vocab_size is not None:
+            if isinstance(vocab_size, bool) or not isinstance(vocab_size, int):
+                raise TokenizerError(f"vocab_size must be an int, got {vocab_size!r}")
+            if vocab_size < self.NUM_BYTES + 2:
+                raise TokenizerError(
+                    f"vocab_size must be at least {self.NUM_BYTES + 2} (the bytes, EOS and "
+                    f"padding), got {vocab_size}"
+                )
+            self.vocab_size = vocab_size
 
     def __len__(self) -> int:
         return self.vocab_size
@@ -77,6 +94,8 @@ class ByteTokenizer:
                 run.clear()
                 if not skip_special_tokens:
                     pieces.append(names[i])
+            elif self.NUM_BYTES + 2 <= i < self.vocab_size:  # a bigger model's id (see above)
+                run.append(i % self.NUM_BYTES)
             else:
                 raise TokenizerError(
                     f"token id {i} is outside the byte vocabulary (0..{self.vocab_size - 1}); "
