@@ -30,7 +30,8 @@ CPU more threads fight the client and each other).
    few streams closed after the first chunk, a few bad bodies that must get a 400), sent by
    ``--concurrency`` clients at once, to the server parts 1 and 2 used. ``growth = (RSS at
    the last mark - RSS at the first) / (thousands of requests between them)``; with more than
-   two marks each step's growth is printed too (a plateau after a warm-up shows there).
+   two marks each step's growth is printed too (a plateau after a warm-up shows there). The
+   traffic and the RSS reading are serve_traffic.py.
 
 Times on a small shared CPU swing with what else runs: the script prints the load average at the
 start and the end, and every timed run. It prints what it measures and asserts nothing.
@@ -43,14 +44,12 @@ Usage: python benchmarks/bench_serve.py [--models tiny-gpt2,gpt2-size-random] [-
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import io
 import json
 import math
 import os
 import platform
-import random
 import re
 import secrets
 import signal
@@ -60,11 +59,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections import Counter
 from pathlib import Path
 
 import httpx
 import torch
+from serve_traffic import memory, print_memory
 
 from pagedlearn import LLM, SamplingParams
 from pagedlearn.engine.metrics import percentiles
@@ -73,7 +72,6 @@ from pagedlearn.loadtest_mix import PHASES, build_mix, default_pool
 from pagedlearn.loadtest_report import _json_safe
 from pagedlearn.models import load
 from pagedlearn.models.runner import max_model_len
-from pagedlearn.server_metrics import scrape
 
 ROOT = Path(__file__).resolve().parent.parent
 RATE_MODEL = "tiny-gpt2"  # parts 2 and 3 run on it
@@ -83,9 +81,6 @@ BLOCK_SIZE = 16
 SIZES = {"tiny-gpt2": (1000, 3), "gpt2-size-random": (27, 1)}
 START_TIMEOUT = 180.0  # seconds a server may take to answer /health
 REQUEST_TIMEOUT = 600.0  # seconds one request of part 1 may take (a squeezed gpt2-size-random)
-# Part 3's requests cycle through these 20 kinds: mostly plain completions, a few of the rest.
-KINDS = ("bad", "cancel", "chat", "chat-stream") + ("stream",) * 8 + ("plain",) * 8
-BAD_BODIES = ({"max_tokens": -1}, {"temperature": -0.5}, {"n": 0}, {"top_p": 2.0})
 
 
 def machine_line() -> str:
@@ -100,8 +95,8 @@ def machine_line() -> str:
 
 
 class Server:
-    """``python -m pagedlearn serve`` in a subprocess with ``pool``: ``url``, ``rss_mib()``,
-    ``problems()`` (its log's lines that report an error), ``stop()``."""
+    """``python -m pagedlearn serve`` in a subprocess with ``pool``: ``url``, ``proc`` (its pid:
+    part 3 reads its memory), ``problems()`` (its log's lines that report an error), ``stop()``."""
 
     def __init__(self, model: str, pool: dict, threads: int) -> None:
         with socket.socket() as s:  # a free port (the server binds it a moment later)
@@ -128,10 +123,6 @@ class Server:
             return httpx.get(self.url + "/health", timeout=2.0).status_code == 200
         except httpx.HTTPError:
             return False
-
-    def rss_mib(self) -> float:
-        status = Path(f"/proc/{self.proc.pid}/status").read_text()
-        return int(re.search(r"^VmRSS:\s+(\d+) kB", status, re.M).group(1)) / 1024
 
     def tail(self, lines: int = 20) -> str:
         self.log.seek(0)
@@ -312,112 +303,12 @@ def print_ttft(t: dict, n: int) -> None:
           "burst at any rate); answered/s = (finished + cancelled) / wall s")  # fmt: skip
 
 
-async def short_requests(url: str, model: str, first: int, last: int, concurrency: int) -> Counter:
-    """Part 3's requests ``first .. last - 1``, ``concurrency`` at a time; counts of (kind,
-    verdict)."""
-    counts: Counter = Counter()
-    todo = iter(range(first, last))  # shared: each worker takes the next index
-    async with httpx.AsyncClient(base_url=url, timeout=60.0) as client:
-
-        async def worker() -> None:
-            for i in todo:
-                kind, fine, status = await one_request(client, model, i)
-                counts[(kind, "ok" if fine else f"unexpected {status}")] += 1
-
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-    return counts
-
-
-async def one_request(client, model: str, i: int) -> tuple[str, bool, int]:
-    rng, kind = random.Random(i), KINDS[i % len(KINDS)]
-    prompt = [rng.randrange(256) for _ in range(rng.randint(2, 6))]
-    body = {"model": model, "prompt": prompt, "max_tokens": 4, "temperature": 1.0, "seed": i}
-    path = "/v1/completions"
-    if kind.startswith("chat"):
-        path, text = "/v1/chat/completions", "".join(rng.choice("abcdefgh ") for _ in range(6))
-        body = {"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": 4}
-    if kind == "bad":
-        body.update(BAD_BODIES[i // len(KINDS) % len(BAD_BODIES)])
-        r = await client.post(path, json=body)
-        return kind, r.status_code == 400, r.status_code
-    if kind == "plain" or kind == "chat":
-        r = await client.post(path, json=body)
-        return kind, r.status_code == 200 and "choices" in r.json(), r.status_code
-    body.update(stream=True, max_tokens=16 if kind == "cancel" else 4)
-    async with client.stream("POST", path, json=body) as r:
-        lines = []
-        async for line in r.aiter_lines():
-            if line.startswith("data:"):
-                lines.append(line)
-                if kind == "cancel":
-                    break  # leaving the block closes the connection: the server must abort
-    fine = bool(lines) and (kind == "cancel" or lines[-1] == "data: [DONE]")
-    return (
-        kind,
-        r.status_code == 200 and fine and not any('"error"' in x for x in lines),
-        r.status_code,
-    )
-
-
-def memory(srv: Server, marks: list[int], warmup: int, concurrency: int) -> dict:
-    """Part 3: RSS after the warm-up and after each mark (requests counted after the warm-up)."""
-    send = lambda a, b: asyncio.run(short_requests(srv.url, srv.model, a, b, concurrency))  # noqa: E731
-    counts = send(0, warmup)  # the warm-up: requests 0 .. warmup - 1; then the counted ones
-    points, done = [{"requests": 0, "rss_mib": srv.rss_mib(), "seconds": 0.0}], 0
-    for mark in marks:
-        t0 = time.perf_counter()
-        counts += send(warmup + done, warmup + mark)
-        points.append({"requests": mark, "rss_mib": srv.rss_mib(),
-                       "seconds": time.perf_counter() - t0})  # fmt: skip
-        done = mark
-    first, last = points[1], points[-1]
-    growth = (last["rss_mib"] - first["rss_mib"]) / ((last["requests"] - first["requests"]) / 1000)
-
-    async def after() -> dict | None:
-        async with httpx.AsyncClient(base_url=srv.url, timeout=10.0) as client:
-            return await scrape(client)
-
-    m = asyncio.run(after()) or {}
-    return {"warmup": warmup, "concurrency": concurrency, "points": points, "growth": growth,
-            "answers": {f"{k} {v}": n for (k, v), n in sorted(counts.items())},
-            "unexpected": sum(n for (k, v), n in counts.items() if v != "ok"),
-            "used_blocks_after": m.get("used_blocks"),
-            "running_after": m.get("running")}  # fmt: skip
-
-
-def print_memory(m: dict, pid: int) -> None:
-    print(f"\nserver memory, {RATE_MODEL}: VmRSS of pid {pid} (/proc/{pid}/status); short requests "
-          f"(kinds: {', '.join(sorted(set(KINDS)))}), {m['concurrency']} at once, after a "
-          f"warm-up of {m['warmup']}")  # fmt: skip
-    prev = None
-    for p in m["points"]:
-        when = f"after {p['requests']:,} requests" if p["requests"] else "after the warm-up"
-        took = f"  ({p['seconds']:.1f} s for these" if p["requests"] else ""
-        if prev and prev["requests"]:
-            per = (p["rss_mib"] - prev["rss_mib"]) / (p["requests"] - prev["requests"]) * 1000
-            took += f"; {per:+.3f} MiB per 1,000 since the mark before"
-        print(f"  {when:<24} {p['rss_mib']:9.2f} MiB{took + ')' if took else ''}")
-        prev = p
-    first, last = m["points"][1], m["points"][-1]
-    print(
-        f"  growth = ({last['rss_mib']:.2f} - {first['rss_mib']:.2f}) MiB / "
-        f"({last['requests']:,} - {first['requests']:,}) requests x 1,000 = {m['growth']:.3f} MiB "
-        "per 1,000 requests"
-    )
-    answers = ", ".join(f"{k} {n:,}" for k, n in m["answers"].items())
-    print(f"  answers: {answers}; unexpected: {m['unexpected']}")
-    held, running = (
-        m[k] if m[k] is None else int(m[k]) for k in ("used_blocks_after", "running_after")
-    )
-    print(f"  after the run (/metrics): {held} blocks held, {running} requests running")
-
-
 def numbers(text: str, kind=float) -> list:
     return [kind(x) for x in text.split(",") if x.strip()]
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--models", default=None, help="default: tiny-gpt2,gpt2-size-random")
     parser.add_argument("--num-requests", type=int, default=None, help="part 1 (default: SIZES)")
     parser.add_argument("--repeats", type=int, default=None, help="part 1's timed runs per system")
@@ -471,8 +362,11 @@ def main() -> None:
                 results["ttft"] = ttft_at_rates(srv, rates, args.rate_requests, args.seed)
                 print_ttft(results["ttft"], args.rate_requests)
             if model == RATE_MODEL and "rss" in parts:
-                results["rss"] = memory(srv, marks, args.rss_warmup, args.concurrency)
-                print_memory(results["rss"], srv.proc.pid)
+                pid = srv.proc.pid
+                results["rss"] = memory(
+                    srv.url, srv.model, pid, marks, args.rss_warmup, args.concurrency
+                )
+                print_memory(results["rss"], RATE_MODEL, pid)
     print(f"\nload average (1 min) at the end: {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
     if args.json:
         Path(args.json).write_text(json.dumps(_json_safe(results), indent=1, default=str))

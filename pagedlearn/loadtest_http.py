@@ -11,13 +11,10 @@ client has -- a URL, maybe an API key -- and measures what a client sees::
         │               └──> "cancel": close the stream after k tokens
         └── phase by phase; GET /metrics before and after each, and 4 times a second for the peak
 
-How the mix maps onto HTTP (the choices, so that a reader can judge the numbers):
+How the mix maps onto HTTP (the choices, so that a reader can judge the numbers). One request --
+its JSON body, its SSE stream, how TTFT / ITL / E2E are read off it, what a cancel does, the
+outcome its record ends with -- is loadtest_http_stream.py; this module runs the mix:
 
-- **A request** is ``POST /v1/completions`` with ``prompt`` = its token ids (a list of ints:
-  OpenAI and vLLM accept it; the mix's ids are below 256, valid in every GPT-2-style vocabulary),
-  ``stream: true`` with ``stream_options: {"include_usage": true}``, ``max_tokens``,
-  ``temperature`` / ``top_p`` / ``top_k`` / ``seed`` / ``n`` and the ``stop`` strings of its
-  SamplingParams, and vLLM's extensions ``ignore_eos``, ``stop_token_ids``, ``cache_salt``.
 - **Tenants and the cold / warm / version passes are cache salts.** Over HTTP nothing can reset
   the server's prefix cache or change its model version, so every request carries the salt
   ``<run id>-<epoch>-<tenant>``. The run id is random: a rerun against the same server starts
@@ -28,16 +25,9 @@ How the mix maps onto HTTP (the choices, so that a reader can judge the numbers)
   version must hit nothing, warm must hit. Hits are read from each response's
   ``usage.prompt_tokens_details.cached_tokens`` when all of a phase's responses have it, else
   from the change of the /metrics prefix-cache counters over the phase.
-- **A cancel** closes its stream after ``cancel_after`` tokens: the server must notice the
-  disconnect and abort the request, so that its blocks come back.
 - **The over-long prompt** must come back 4xx; any other 4xx, a 5xx, an ``error`` in the stream
   or a stream that ends before every sample finished is an error.
 - **Phases** run in order, each drains (every stream ended) before the next, as in-process.
-- **Times** are the client's, per request, from its send: TTFT to the first chunk that brings
-  tokens, ITL the gaps between such chunks, E2E to the last chunk. Output tokens: the usage
-  chunk's ``completion_tokens``, else the chunks counted. vLLM sends a chunk per token (with
-  empty text while a character's bytes are incomplete); a server that holds such chunks back
-  (pagedlearn's does) shows fewer, longer gaps, and its cancels come a few tokens late.
 
 Bounded: a request may take ``timeout`` seconds (then it is "timed out"), the run as long as
 its arrivals plus a timeout per phase; the polls keep :data:`MAX_SAMPLES` samples at most. The
@@ -54,7 +44,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import json
 import os
 import secrets
@@ -64,6 +53,7 @@ import time
 from pagedlearn.errors import PagedLearnError
 from pagedlearn.loadtest import LoadTestOptionError, check_options
 from pagedlearn.loadtest_http_report import HTTPLoadTestReport, build_http_report
+from pagedlearn.loadtest_http_stream import error_message, new_record, request_body, send_request
 from pagedlearn.loadtest_mix import PHASES, build_mix, default_pool, min_context, too_short
 from pagedlearn.server_metrics import delta, scrape
 
@@ -91,26 +81,6 @@ def root_url(endpoint: str) -> str:
 def salt_of(run_id: str, phase: str, salt: str | None, adapter: str | None) -> str:
     """A request's cache salt: run, epoch and tenant (see the module docstring)."""
     return f"{run_id}-{EPOCHS.get(phase, 'mix')}-{salt or 'default'}-{adapter or 'base'}"
-
-
-def request_body(spec, model: str, salt: str) -> dict:
-    """The JSON of ``POST /v1/completions`` for one RequestSpec (loadtest_mix.py)."""
-    p = spec.params
-    body = {"model": model, "prompt": list(spec.prompt_token_ids), "stream": True,
-            "stream_options": {"include_usage": True}, "max_tokens": p.max_tokens,
-            "temperature": p.temperature, "top_p": p.top_p, "n": p.n,
-            "cache_salt": salt}  # fmt: skip
-    if p.top_k > 0:
-        body["top_k"] = p.top_k
-    if p.seed is not None:
-        body["seed"] = p.seed
-    if p.stop:
-        body["stop"] = list(p.stop)
-    if p.stop_token_ids:
-        body["stop_token_ids"] = list(p.stop_token_ids)
-    if p.ignore_eos:
-        body["ignore_eos"] = True
-    return body
 
 
 def run_http_loadtest(
@@ -188,14 +158,6 @@ async def model_card(client, root: str, model: str | None) -> dict:
     return cards[ids.index(model)]
 
 
-def error_message(response) -> str:
-    """The ``error.message`` of an OpenAI-style error body, else the start of the body."""
-    try:
-        return str(response.json()["error"]["message"])
-    except (ValueError, KeyError, TypeError):
-        return response.text[:200] or response.reason_phrase
-
-
 async def _run(
     root, api_key, model, num_requests, rate, seed, block_size, max_model_len, timeout
 ) -> HTTPLoadTestReport:
@@ -264,7 +226,7 @@ class _Run:
         self.bodies = {
             s.request_id: request_body(s, model, self.salts[s.request_id]) for s in specs
         }
-        self.records = {s.request_id: _record(s, self.salts[s.request_id]) for s in specs}
+        self.records = {s.request_id: new_record(s, self.salts[s.request_id]) for s in specs}
         self.phases: dict[str, dict] = {}
         self.samples: dict[str, list] = {"t": [], "kv_usage": [], "used_blocks": [], "running": []}
         self.peak = {"peak_kv_usage": None, "peak_used_blocks": None}
@@ -290,88 +252,12 @@ class _Run:
             }
 
     async def send(self, spec, phase_start: float) -> None:
-        import httpx
-
+        """Wait for the request's arrival, then send it (loadtest_http_stream.py)."""
         await asyncio.sleep(max(0.0, phase_start + spec.arrival - time.perf_counter()))
-        rec, t0 = self.records[spec.request_id], time.perf_counter()
-        rec["sent"] = t0 - self.start
-        try:
-            await asyncio.wait_for(self.stream(spec, rec, t0), self.timeout)
-        except asyncio.TimeoutError:
-            rec.update(outcome="timeout", error=f"not done within {self.timeout:g} s")
-        except httpx.HTTPError as e:
-            rec.update(outcome="error", error=f"{type(e).__name__}: {e}")
-        if rec["end"] is None:
-            rec["end"] = time.perf_counter() - self.start
-
-    async def stream(self, spec, rec: dict, t0: float) -> None:
-        """Read one response's SSE stream into ``rec`` (see the module docstring)."""
-        tokens: dict[int, int] = {}  # choice index -> chunks that brought tokens
-        reasons: dict[int, str | None] = {}
-        times: list[float] = []  # when chunks that brought tokens came
-        usage, last = None, None
-        body = self.bodies[spec.request_id]
-        async with self.client.stream("POST", "/v1/completions", json=body) as response:
-            rec["status"] = response.status_code
-            if response.status_code != 200:
-                await response.aread()
-                refused = 400 <= response.status_code < 500
-                outcome = "rejected" if refused else "error"
-                rec.update(outcome=outcome, error=error_message(response))
-                return
-            async for line in response.aiter_lines():
-                if not line.startswith("data:"):  # blank separators, SSE comments
-                    continue
-                data = line[len("data:") :].strip()
-                if data == "[DONE]":
-                    break
-                now = time.perf_counter()
-                try:
-                    chunk = json.loads(data)
-                    choices = [(int(c.get("index", 0)), c) for c in chunk.get("choices") or ()]
-                    # how vLLM fails a stream that has begun (older ones: {"object": "error"})
-                    failed = chunk.get("error") or (chunk.get("object") == "error" and chunk)
-                except (ValueError, TypeError, AttributeError) as e:
-                    rec.update(outcome="error", error=f"a bad chunk ({e}): {data[:200]}")
-                    return
-                if failed:
-                    rec.update(outcome="error", error=f"an error in the stream: {failed}")
-                    return
-                usage = chunk.get("usage") or usage
-                brought = False
-                for i, c in choices:
-                    reason = c.get("finish_reason")
-                    # a token, unless it is a bare end marker (no text, a finish reason)
-                    tokens[i] = tokens.get(i, 0) + (bool(c.get("text")) or reason is None)
-                    brought |= bool(c.get("text")) or reason is None
-                    reasons[i] = reason
-                if choices:
-                    last = now
-                if brought:
-                    times.append(now)
-                cancel = spec.cancel_after and tokens.get(0, 0) >= spec.cancel_after
-                if cancel and not reasons.get(0):
-                    rec["outcome"] = "cancelled"  # leaving the block closes the connection
-                    break
-        rec["samples"], rec["finish_reasons"] = len(reasons), [reasons[i] for i in sorted(reasons)]
-        rec["output_tokens"] = sum(tokens.values())
-        if usage and rec["outcome"] != "cancelled":
-            rec["output_tokens"] = usage.get("completion_tokens", rec["output_tokens"])
-            rec["cached_tokens"] = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
-        rec["ttft"] = times[0] - t0 if times else None
-        rec["itl"] = [b - a for a, b in itertools.pairwise(times)]
-        rec["end"] = None if last is None else last - self.start
-        if rec["outcome"] == "cancelled":
-            return
-        ended = list(reasons.values())
-        if len(ended) < spec.params.n or None in ended:
-            why = f"{len(ended)} of {spec.params.n} samples began; finish reasons {ended}"
-            rec.update(outcome="error", error=f"the stream ended before every sample ended ({why})")
-        elif set(ended) - {"stop", "length"}:
-            rec.update(outcome="error", error=f"finish reasons {ended}")
-        else:
-            rec["outcome"] = "stopped" if "stop" in ended else "length"
-            rec["e2e"] = last - t0
+        rid = spec.request_id
+        await send_request(
+            self.client, spec, self.bodies[rid], self.records[rid], self.start, self.timeout
+        )
 
     async def scrape(self) -> dict | None:
         m = await scrape(self.client) if self.metrics else None
@@ -405,17 +291,6 @@ class _Run:
             if idle or time.perf_counter() - start > IDLE_WAIT:
                 return m, time.perf_counter() - start
             await asyncio.sleep(0.05)
-
-
-def _record(spec, salt: str) -> dict:
-    """A request's record before it is sent: "lost" until something answers."""
-    return {"id": spec.request_id, "phase": spec.phase, "kinds": sorted(spec.kinds),
-            "salt": salt, "prompt_tokens": len(spec.prompt_token_ids), "n": spec.params.n,
-            "max_tokens": spec.params.max_tokens, "cancel_after": spec.cancel_after,
-            "expect_reject": spec.expect_reject, "outcome": "lost", "status": None,
-            "error": None, "finish_reasons": [], "samples": 0, "output_tokens": 0,
-            "cached_tokens": None, "sent": None, "end": None, "ttft": None, "itl": [],
-            "e2e": None}  # fmt: skip
 
 
 def cli(args) -> int:
