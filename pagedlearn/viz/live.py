@@ -17,12 +17,26 @@ engine.record()``, then ``LiveBlockView(llm)``) and it colours every request as 
 Play / Pause / Step buttons and a delay slider drive it interactively: Play runs as an asyncio
 task, so the kernel keeps handling clicks; with nothing left to run, Play and Step say how to add
 requests instead of doing nothing.
+
+**Following an engine that another thread steps** (a server's: ``LiveBlockView(srv)`` for a
+:func:`pagedlearn.serve.serve` handle, or ``LiveBlockView(llm, follow=True)``): one thread may
+step an engine -- two would corrupt its queues and its pool --, so the view's buttons are
+disabled and a line says who steps it. The view then draws on the stepping thread, inside its
+step event, and must not slow it down much: every frame still goes through the palette (so the
+colours stay those of the replay) and the request list, which is cheap, but the picture -- a
+matplotlib render and a PNG, ``last_draw_seconds`` -- is drawn at most ``max_fps`` times a second,
+and always for a frame that shows the engine idle (nothing waiting, running or swapped), so that
+the picture left on screen is the pool as it is. With a handle that has ``call(fn)`` (run ``fn``
+on the engine's thread between steps), the view subscribes, reads its first frame and, on
+``close()``, unsubscribes there too.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import html
+import time
 
 import ipywidgets as w
 
@@ -41,6 +55,18 @@ NOTHING_TO_RUN = (
     "(16 tokens by default; pass <code>SamplingParams(max_tokens=...)</code> for more), "
     "then press Play."
 )
+FOLLOW_FPS = 5.0  # a following view's default max_fps: enough to see blocks move, cheap to draw
+
+
+def steps_elsewhere(source) -> bool:
+    """Whether ``source`` is an engine handle whose own thread steps it (a server's handle:
+    it has ``.engine`` and ``.call(fn)``), rather than an ``LLM`` or ``LLMEngine`` to step."""
+    return hasattr(source, "engine") and callable(getattr(source, "call", None))
+
+
+def is_idle(state: PoolState) -> bool:
+    """Whether a frame shows the engine idle: no request waiting, running or swapped out."""
+    return all(r.status == "finished" for r in state.requests)
 
 
 class LiveBlockView(PoolView):
@@ -50,15 +76,57 @@ class LiveBlockView(PoolView):
     steps until every request is done (for notebooks executed headless). ``.play()`` (the Play
     button) steps in the background, ``delay`` seconds apart, until every request is done.
     ``.palette`` is the run's colour assignment as this view sees it. ``.close()`` detaches it.
+
+    ``follow``: another thread steps the engine (default: True for a server's handle, which
+    it needs; False for an ``LLM`` / ``LLMEngine``). A following view never steps: its buttons
+    are disabled and ``step`` / ``run`` / ``play`` raise. ``max_fps``: draw the picture at most
+    this often (frames a second: 1 / max_fps s from the end of one drawing to the start of the
+    next; an idle frame is always drawn); None draws every frame.
+    Default: 5 when following, None otherwise. ``frames_seen`` / ``frames_drawn`` count the
+    frames the view took in and those it drew (``last_draw_seconds``: what the last one cost).
     """
 
-    def __init__(self, llm, *, per_row: int | None = None, delay: float = 0.3) -> None:
+    def __init__(
+        self,
+        llm,
+        *,
+        per_row: int | None = None,
+        delay: float = 0.3,
+        follow: bool | None = None,
+        max_fps: float | None = None,
+    ) -> None:
         engine = getattr(llm, "engine", llm)
         if not (hasattr(engine, "kv") and hasattr(engine, "step")):
-            raise TypeError(f"LiveBlockView needs an LLM or LLMEngine, got {type(llm).__name__}")
+            raise TypeError(
+                "LiveBlockView needs an LLM, an LLMEngine or a server's handle (serve(...)), "
+                f"got {type(llm).__name__}"
+            )
         if isinstance(delay, bool) or not isinstance(delay, (int, float)) or delay < 0:
             raise ValueError(f"delay must be a number of seconds >= 0, got {delay!r}")
+        handle = llm if steps_elsewhere(llm) else None
+        if follow is None:
+            follow = handle is not None
+        if not isinstance(follow, bool):
+            raise TypeError(f"follow must be True, False or None, got {follow!r}")
+        if handle is not None and not follow:
+            raise ValueError(
+                "follow=False on a server's handle: its engine thread steps the engine, and a "
+                "second thread stepping it would corrupt it; leave follow at its default"
+            )
+        if max_fps is None and follow:
+            max_fps = FOLLOW_FPS
+        if max_fps is not None and (
+            isinstance(max_fps, bool) or not isinstance(max_fps, (int, float)) or max_fps <= 0
+        ):
+            raise ValueError(
+                f"max_fps must be a number of frames a second > 0 or None, got {max_fps!r}"
+            )
         self.engine = engine
+        self.following, self.max_fps = follow, max_fps
+        # Run fn(engine) where the engine is safe to read: on its thread between steps (a
+        # handle's call), else here (the caller steps it, or promises it is not stepping now).
+        self._call = handle.call if handle is not None else (lambda fn: fn(engine))
+        self.frames_seen = self.frames_drawn = 0
         super().__init__(
             engine.kv.allocator.num_blocks, engine.kv.block_size, per_row, engine.tokenizer
         )
@@ -82,28 +150,67 @@ class LiveBlockView(PoolView):
         self.play_button.on_click(lambda _: self.play())
         self.pause_button.on_click(lambda _: self.pause())
         self.step_button.on_click(lambda _: self._step_clicked())
-        self._widget = self._layout(
-            [self.play_button, self.pause_button, self.step_button, self.speed]
-        )
+        controls = [self.play_button, self.pause_button, self.step_button, self.speed]
+        self.driver = w.HTML()  # who steps the engine, when it is not this view
+        if follow:
+            for control in controls:
+                control.disabled = True
+            url = getattr(llm, "url", None)
+            who = f"the server at <code>{html.escape(url)}</code>" if url else "another thread"
+            often = f"at most {max_fps:g} times a second" if max_fps else "at every step"
+            self.driver.value = (
+                f"<i>Following: {who} steps this engine, not these buttons. The picture is "
+                f"redrawn {often}, and when the engine goes idle: send requests, watch the "
+                "blocks move.</i>"
+            )
+            controls.append(self.driver)
+        self._widget = self._layout(controls)
         self._frames = LiveFrames(engine)  # one per step event and per prefix-cache reset
-        self._unsubscribe = engine.kv.trace.subscribe(self._on_event)
+        self._unsubscribe = None
+        self._call(self._attach)
+
+    def _attach(self, engine) -> None:
+        # Where the engine is safe to read, with no step in between: draw the pool, then
+        # subscribe (a first drawing that fails leaves nothing subscribed).
         # The pool as it is now is not a frame of the run (no step event): a palette of its own
         # colours it, so that the run's own frames decide ``self.palette``, as in its replay.
-        self._show(Palette().paint(pool_state(engine)))
-
-    def _show(self, state: PoolState) -> None:
-        self._draw(state, self._book.update(state))
+        first = Palette().paint(pool_state(engine))
+        self._draw(first, self._book.update(first))
+        self._last_drawn = time.monotonic()  # when the last drawing ended (max_fps counts on)
+        self.frames_drawn = 1
+        self._unsubscribe = engine.kv.trace.subscribe(self._on_event)
 
     def _on_event(self, event) -> None:
-        if event.kind not in FRAME_KINDS:
+        # Runs inside the engine's step, on the thread that steps it: cheap unless it draws,
+        # and it never raises into the engine (a drawing bug is shown in the view instead).
+        if event.kind not in FRAME_KINDS or self._unsubscribe is None:
             return
-        try:  # a drawing bug must not break the engine's step: show it instead
-            self._show(self.palette.paint(self._frames.at(event)))
+        try:
+            state = self.palette.paint(self._frames.at(event))  # every frame: the run's colours
+            finished = self._book.update(state)
+            self.frames_seen += 1
+            # Counted from the end of the last drawing: however slow a drawing is, the engine
+            # gets at least 1 / max_fps s of stepping between two.
+            since = time.monotonic() - self._last_drawn
+            if self.max_fps and since < 1.0 / self.max_fps and not is_idle(state):
+                return  # too soon after the last picture; a later frame (or the idle one) draws
+            self._draw(state, finished)
+            self._last_drawn = time.monotonic()
+            self.frames_drawn += 1
         except Exception as exc:
             self._report(exc)
 
+    def _refuse_if_following(self) -> None:
+        if self.following:
+            raise RuntimeError(
+                "this LiveBlockView follows an engine that another thread steps (a server's "
+                "engine thread); stepping it from here too would corrupt it: send the server "
+                "requests instead"
+            )
+
     def step(self) -> list:
         """Run one engine step; returns its ``RequestOutput``s. Errors are shown and raised."""
+        self._refuse_if_following()
         if self._unsubscribe is None:
             raise RuntimeError("this LiveBlockView is closed")
         if not self.engine.has_unfinished_requests():
@@ -121,6 +228,7 @@ class LiveBlockView(PoolView):
         the requests that finished meanwhile."""
         if max_steps is not None and (not isinstance(max_steps, int) or max_steps < 0):
             raise ValueError(f"max_steps must be an int >= 0 or None, got {max_steps!r}")
+        self._refuse_if_following()
         finished, steps = [], 0
         while self.engine.has_unfinished_requests() and (max_steps is None or steps < max_steps):
             finished += [o for o in self.step() if o.finished]
@@ -137,6 +245,7 @@ class LiveBlockView(PoolView):
         unfinished request, it only says how to add some."""
         if self._task is not None and not self._task.done():
             return
+        self._refuse_if_following()
         if self._unsubscribe is None:
             raise RuntimeError("this LiveBlockView is closed")
         if not self.engine.has_unfinished_requests():
@@ -172,16 +281,22 @@ class LiveBlockView(PoolView):
         self._set_playing(False)
 
     def _set_playing(self, playing: bool) -> None:
+        if self.following:  # nothing here steps it: every button stays disabled
+            return
         self.play_button.disabled = playing
         self.step_button.disabled = playing
         self.pause_button.disabled = not playing
 
     def close(self) -> None:
-        """Stop following the engine (the last picture stays)."""
+        """Stop following the engine (the last picture stays). On a server's handle the view
+        unsubscribes on the engine's thread, so no frame of it is drawn once this returns."""
         self.pause()
-        if self._unsubscribe is not None:
-            self._unsubscribe()
-            self._unsubscribe = None
+        unsubscribe, self._unsubscribe = self._unsubscribe, None  # _on_event stops here
+        if unsubscribe is not None:
+            try:
+                self._call(lambda _: unsubscribe())
+            except Exception:  # a stopped server: no step can run any more, detach from here
+                unsubscribe()
         self.play_button.disabled = self.step_button.disabled = True
 
 
