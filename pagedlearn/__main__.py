@@ -201,14 +201,23 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
     )
     lt.add_argument(
         "--api-key",
+        metavar="KEY",
         default=None,
         help="with --endpoint: the server's API key (default: $OPENAI_API_KEY, if set)",
     )
     lt.add_argument(
         "--timeout",
-        type=float,
-        default=60.0,
-        help="with --endpoint: seconds a request may take before it counts as lost",
+        type=seconds,
+        default=None,
+        help="with --endpoint: seconds one request may take; past it, it counts as timed out "
+        "(default: 60)",
+    )
+    lt.add_argument(
+        "--max-model-len",
+        type=int_in(1),
+        default=None,
+        help="with --endpoint: the model's context in tokens, for a server whose /v1/models "
+        "does not say it (vLLM's and pagedlearn's do)",
     )
     lt.add_argument(
         "--num-requests",
@@ -261,8 +270,22 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
     return parser, parsers
 
 
-# What only the in-process load test has: the server's pool and metrics are its own.
+# What only the in-process load test has (the server's pool and metrics are its own), and
+# what only the load test over HTTP has.
 IN_PROCESS_ONLY = ("block_size", "num_blocks", "swap_blocks", "prometheus")
+HTTP_ONLY = ("api_key", "timeout", "max_model_len")
+HTTP_TIMEOUT = 60.0  # seconds one request may take (--timeout)
+
+
+def seconds(text: str) -> float:
+    """An argparse ``type``: a number of seconds > 0 (finite)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds, got {text!r}") from None
+    if not 0 < value < float("inf"):  # NaN too
+        raise argparse.ArgumentTypeError(f"must be seconds > 0, got {text}")
+    return value
 
 
 def arrival_rate(text: str) -> float:
@@ -353,27 +376,8 @@ def main(argv: list[str] | None = None) -> int:
         from pagedlearn.serve import cli as serve_cli
 
         return serve_cli(args)
-    if args.command == "loadtest" and args.endpoint is not None:
-        for name in IN_PROCESS_ONLY:
-            if getattr(args, name) is not None:
-                option = "--" + name.replace("_", "-")
-                own.error(f"argument {option}: not with --endpoint (the server has its own)")
-        from pagedlearn.loadtest_http import cli as http_cli
-
-        return http_cli(args)
     if args.command == "loadtest":
-        from pagedlearn.errors import PagedLearnError
-        from pagedlearn.loadtest import LoadTestOptionError, cli
-
-        args.model = args.model or "tiny-gpt2"
-        args.block_size = args.block_size or 16
-        try:
-            return cli(args)
-        except LoadTestOptionError as e:  # the pool against the model's context: a usage error
-            own.error(f"argument --{e.option.replace('_', '-')}: {e}")
-        except PagedLearnError as e:
-            print(f"loadtest stopped: {e}", file=sys.stderr)
-            return 1
+        return _loadtest(args, own)
     if args.command in ("demo", "blocks"):
         from pagedlearn.demo import OptionError
         from pagedlearn.errors import PagedLearnError
@@ -403,6 +407,34 @@ def main(argv: list[str] | None = None) -> int:
     from pagedlearn.check_env import check_env
 
     return check_env(include_dev=not args.no_dev)
+
+
+def _loadtest(args, own: argparse.ArgumentParser) -> int:
+    """The load test: in process, or over HTTP with ``--endpoint`` (each refuses the other's
+    options); an option the model rules out is a usage error, as argparse's own."""
+    from pagedlearn.errors import PagedLearnError
+    from pagedlearn.loadtest import LoadTestOptionError
+
+    http = args.endpoint is not None
+    for name in IN_PROCESS_ONLY if http else HTTP_ONLY:
+        if getattr(args, name) is not None:
+            why = "not with --endpoint (the server has its own)" if http else "only with --endpoint"
+            own.error(f"argument --{name.replace('_', '-')}: {why}")
+    try:
+        if http:
+            from pagedlearn.loadtest_http import cli
+
+            args.timeout = args.timeout or HTTP_TIMEOUT
+        else:
+            from pagedlearn.loadtest import cli
+
+            args.model, args.block_size = args.model or "tiny-gpt2", args.block_size or 16
+        return cli(args)
+    except LoadTestOptionError as e:  # the pool or the mix against the model: a usage error
+        own.error(f"argument --{e.option.replace('_', '-')}: {e}")
+    except PagedLearnError as e:
+        print(f"loadtest stopped: {e}", file=sys.stderr)
+        return 1
 
 
 def _labs(args) -> int:

@@ -15,8 +15,9 @@ How the mix maps onto HTTP (the choices, so that a reader can judge the numbers)
 its JSON body, its SSE stream, how TTFT / ITL / E2E are read off it, what a cancel does, the
 outcome its record ends with -- is loadtest_http_stream.py; this module runs the mix:
 
-- **Tenants and the cold / warm / version passes are cache salts.** Over HTTP nothing can reset
-  the server's prefix cache or change its model version, so every request carries the salt
+- **Tenants and the cold / warm / version passes are cache salts.** OpenAI's API cannot reset
+  a server's prefix cache or change its model version (vLLM's ``POST /reset_prefix_cache``
+  exists only with ``VLLM_SERVER_DEV_MODE=1``), so every request carries the salt
   ``<run id>-<epoch>-<tenant>``. The run id is random: a rerun against the same server starts
   cold. Each tenant gets a salt of its own -- the one without a salt, and the one with an adapter
   too (a salt stands in for a LoRA the server may not have). The epoch is "mix" for the mix and
@@ -65,7 +66,7 @@ EPOCHS = {"cold": "pass", "warm": "pass", "version": "version"}  # the other pha
 
 class HTTPLoadTestError(PagedLearnError):
     """The server cannot be reached, or its ``GET /v1/models`` is of no use: the message names
-    the URL and what went wrong (the command exits 2)."""
+    the URL and what went wrong (the command exits 1)."""
 
 
 def root_url(endpoint: str) -> str:
@@ -295,8 +296,10 @@ class _Run:
 
 def cli(args) -> int:
     """``python -m pagedlearn loadtest --endpoint URL``: run, print the summary, write
-    ``--json``; 0 if every correctness check passed, 1 if one failed, 2 if the server cannot
-    be reached, its ``/v1/models`` is of no use, or an option cannot run (the message says)."""
+    ``--json``; 0 if every correctness check passed, 1 if one failed or the run could not go on
+    (the server cannot be reached, its ``/v1/models`` is of no use: the message says). A
+    :class:`~pagedlearn.loadtest.LoadTestOptionError` reaches the caller, which reports it as a
+    usage error (exit 2), as for the in-process load test."""
     api_key = args.api_key or os.environ.get("OPENAI_API_KEY") or None
     print(f"pagedlearn load test over HTTP: {args.endpoint} ...", flush=True)
     try:
@@ -310,9 +313,9 @@ def cli(args) -> int:
             max_model_len=getattr(args, "max_model_len", None),
             timeout=args.timeout,
         )
-    except (HTTPLoadTestError, LoadTestOptionError) as e:
+    except HTTPLoadTestError as e:
         print(f"loadtest stopped: {e}", file=sys.stderr)
-        return 2
+        return 1
     print(report.summary())
     if args.json:
         with open(args.json, "w") as f:

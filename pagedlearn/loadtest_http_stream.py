@@ -25,9 +25,9 @@ chunk with no choices brings the token counts (pagedlearn's server, max_tokens=2
 **Times** are the client's, per request, from its send (``perf_counter``): TTFT to the first
 chunk that brings tokens, ITL the gaps between such chunks, E2E to the last chunk. A chunk
 brings a token unless it is a bare end marker (no text, a finish reason). Output tokens: the
-usage chunk's ``completion_tokens``, else the chunks counted. vLLM sends a chunk per token (with
-empty text while a character's bytes are incomplete); a server that holds such chunks back
-(pagedlearn's does) shows fewer, longer gaps, and its cancels come a few tokens late.
+usage chunk's ``completion_tokens``, else the chunks counted. vLLM and pagedlearn send a chunk
+per step's new tokens (its text "" while a character's bytes are incomplete); a server that held
+such chunks back would show fewer, longer gaps, and its cancels would come a few tokens late.
 
 **A cancel** closes its stream after ``cancel_after`` tokens of sample 0: leaving httpx's
 ``stream`` block closes the connection, and the server must notice the disconnect and abort the

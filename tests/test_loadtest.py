@@ -438,3 +438,20 @@ def test_in_process_pool_options_are_refused_with_an_endpoint(option, value, cap
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert f"argument {option}: not with --endpoint" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "option, value", [("--api-key", "k"), ("--timeout", "5"), ("--max-model-len", "512")]
+)
+def test_http_options_are_refused_without_an_endpoint(option, value, no_run, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["loadtest", option, value])
+    assert exc.value.code == 2
+    assert f"argument {option}: only with --endpoint" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "soon"])
+def test_a_timeout_must_be_seconds(value, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["loadtest", "--endpoint", "http://127.0.0.1:9", "--timeout", value])
+    assert exc.value.code == 2 and "argument --timeout: must be" in capsys.readouterr().err

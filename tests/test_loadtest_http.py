@@ -100,7 +100,7 @@ def test_a_rerun_starts_cold_and_the_json_holds_every_number(report, server, tmp
 
 def test_api_key(server, capsys, monkeypatch):
     monkeypatch.delenv("OPENAI_API_KEY", raising=False)
-    assert cli(_args(server.url)) == 2
+    assert cli(_args(server.url)) == 1  # it started and cannot go on (__main__'s rule)
     err = capsys.readouterr().err
     assert f"{server.url}/v1/models answered 401" in err and "wants an API key" in err
     with pytest.raises(HTTPLoadTestError, match="refused the API key"):
@@ -115,7 +115,7 @@ def test_an_unreachable_endpoint_says_so(capsys):
         url = f"http://127.0.0.1:{s.getsockname()[1]}"
     with pytest.raises(HTTPLoadTestError, match=f"cannot reach {url}/v1/models: Connect"):
         run_http_loadtest(url, timeout=5.0)
-    assert cli(_args(url)) == 2
+    assert cli(_args(url)) == 1
     assert f"cannot reach {url}/v1/models" in capsys.readouterr().err
     for bad, option in (("localhost:8000", "endpoint"), ("http://x", "timeout")):
         with pytest.raises(LoadTestOptionError) as e:
