@@ -26,9 +26,23 @@ outcome its record ends with -- is loadtest_http_stream.py; this module runs the
   version must hit nothing, warm must hit. Hits are read from each response's
   ``usage.prompt_tokens_details.cached_tokens`` when all of a phase's responses have it, else
   from the change of the /metrics prefix-cache counters over the phase.
-- **The over-long prompt** must come back 4xx; any other 4xx, a 5xx, an ``error`` in the stream
-  or a stream that ends before every sample finished is an error.
+- **The over-long prompt** must come back 4xx; any other 4xx, a 5xx, an ``error`` in the stream,
+  a stream that ends before every sample finished or a reply of another shape is an error (of
+  that request: the run goes on).
 - **Phases** run in order, each drains (every stream ended) before the next, as in-process.
+- **The squeeze is sized to the pool the server reports** (``num_gpu_blocks``; else two full
+  contexts): a burst meant to want about twice the pool. Against a large pool (vLLM on a big
+  GPU: tens of thousands of blocks) each of its requests is nearly ``max_model_len`` tokens long
+  -- 20 of 32,768 tokens, say: about 650,000 tokens at once. What bounds it is its count
+  (``num_requests // 10``, at least 8) times the context; ``--max-model-len`` caps the context
+  the mix is built for (no more than the server's, or its near-limit prompts come back 4xx).
+
+**Comparing two servers** (the same seed, ``num_requests`` and rate, one report each): the mix
+phase depends on the options, the context and the block size, not on the pool: it is the same
+for any pool. The squeeze is sized to the pool each server reports (GPU blocks, and swap blocks
+where /metrics says), and the passes after it draw from the same seeded stream, so they change
+with it: two servers get identical requests only with the same pool -- vLLM's
+``--num-gpu-blocks-override N``, pagedlearn's ``--num-blocks N``.
 
 Bounded: a request may take ``timeout`` seconds (then it is "timed out"), the run as long as
 its arrivals plus a timeout per phase; the polls keep :data:`MAX_SAMPLES` samples at most. The
@@ -185,6 +199,7 @@ async def _run(
         num_blocks, swap = default_pool(max_len, bs, info.get("num_gpu_blocks"))
         swap = info.get("num_cpu_blocks") or swap
         specs = build_mix(num_requests, seed, rate, max_len, bs, num_blocks, swap)
+        squeeze = [s for s in specs if s.phase == "squeeze"]
         run_id = secrets.token_hex(4)
         source = (
             "argument" if block_size else "cache_config_info" if info.get("block_size") else None
@@ -195,6 +210,8 @@ async def _run(
                   "block_size_from": source or "default", "max_model_len": max_len,
                   "num_gpu_blocks": info.get("num_gpu_blocks"),
                   "num_cpu_blocks": info.get("num_cpu_blocks"), "squeeze_pool": num_blocks,
+                  "squeeze_requests": len(squeeze), "squeeze_tokens": max(
+                      len(s.prompt_token_ids) + s.params.max_tokens for s in squeeze),
                   "timeout": timeout, "run_id": run_id}  # fmt: skip
         run = _Run(client, specs, run_id, card["id"], timeout, first is not None)
         bound = sum(max(s.arrival for s in specs if s.phase == p) for p in PHASES)

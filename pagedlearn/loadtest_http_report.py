@@ -13,8 +13,8 @@ computes, as the in-process report (loadtest_report.py) does where HTTP lets it:
   ``usage.prompt_tokens_details.cached_tokens`` when every answered request of the phase had
   it, else from /metrics (``source`` says which, None when neither could tell);
 - **server** (when /metrics has vLLM's or pagedlearn's names, server_metrics.py): KV-cache
-  usage before, at its peak (polled during the run) and after, the prefix-cache hit rate and
-  the preemptions over the run, and the aborts;
+  usage before, at its peak (polled during the run) and after, the prefix-cache hit rate (prompt
+  tokens hit / looked up) and the preemptions over the run, and the aborts;
 - **checks** (loadtest_verdicts.Check): correctness -- every request answered in time, the
   over-long prompt refused (4xx) and nothing else, no error, no hit in the cold pass nor under
   the new version's salt, and on a pagedlearn server every block back and every cancelled
@@ -56,7 +56,8 @@ class HTTPLoadTestReport:
     """One run over HTTP: ``config`` (endpoint, model, the pool as /metrics said, the options),
     ``wall_time``, the numbers by topic (dicts, see the module docstring), ``checks``, the
     per-request ``requests`` and the /metrics ``samples``. ``summary()`` is what the command
-    prints, ``as_dict()`` what ``--json`` writes (the keys: :data:`JSON_KEYS`)."""
+    prints (each derived number beside its rule), ``as_dict()`` what ``--json`` writes (the
+    keys: :data:`JSON_KEYS`)."""
 
     config: dict
     wall_time: float
@@ -88,7 +89,7 @@ class HTTPLoadTestReport:
         return _json_safe(d)
 
     def summary(self) -> str:
-        c, cnt, s, pc = self.config, self.counts, self.server, self.prefix_cache
+        c, cnt, s, pc, t = self.config, self.counts, self.server, self.prefix_cache, self.throughput
         inf = c["rate"] == math.inf
         rate = "all at once" if inf else f"Poisson arrivals at {c['rate']:g}/s"
         pace = "all at once: the server's pace" if inf else f"paced by arrivals at {c['rate']:g}/s"
@@ -102,14 +103,18 @@ class HTTPLoadTestReport:
             f"{c['server_metrics'] or 'none readable'}; run id {c['run_id']} (salt prefix)",
             "phases: "
             + ", ".join(
-                f"{k} {p['requests']} ({p['wall_time']:.2f} s)" for k, p in self.phases.items()
+                f"{k} {p['requests']}"
+                + (f" of up to {c['squeeze_tokens']:,} tokens" if k == "squeeze" else "")
+                + f" ({p['wall_time']:.2f} s)"
+                for k, p in self.phases.items()
             ),
             f"requests: {cnt['sent']} sent: "
             + ", ".join(f"{k} {cnt[k]}" for k in OUTCOMES)
             + f"; parallel {kinds['parallel']} (n > 1 samples back)",
-            f"throughput: {self.throughput['output_tokens']:,} output tokens in "
-            f"{self.wall_time:.2f} s = {self.throughput['output_tokens_per_s']:,.0f} tokens/s, "
-            f"{self.throughput['requests_per_s']:.1f} requests/s ({pace})",
+            f"throughput: {t['output_tokens']:,} output tokens / {self.wall_time:.2f} s wall = "
+            f"{t['output_tokens_per_s']:,.0f} tokens/s; {t['answered']} answered (finished or "
+            f"cancelled) / {self.wall_time:.2f} s = {t['requests_per_s']:.1f} requests/s "
+            f"({pace})",
             f"latency (ms, client) {'p50':>8} {'p90':>8} {'p99':>8}   count",
         ]
         for name in ("ttft", "itl", "e2e"):
@@ -124,7 +129,8 @@ class HTTPLoadTestReport:
             lines.append(
                 f"server (/metrics): KV usage {percent(before.get('kv_usage'))} before, peak "
                 f"{percent(s['peak_kv_usage'])}, {percent(after.get('kv_usage'))} after; "
-                f"prefix-cache hit rate {percent(s['hit_rate'])}; preemptions "
+                f"prefix-cache hit rate {percent(s['hit_rate'])} ({_num(s['hit_tokens'])} hit / "
+                f"{_num(s['query_tokens'])} prompt tokens looked up); preemptions "
                 f"{_num(s['preemptions'])}; aborts {_num(s['aborts'])}"
             )
         lines.append("checks:")
@@ -154,11 +160,13 @@ def build_http_report(config, records, phases, server, samples, wall, run_error)
         "samples": dict(Counter(f for r in requests for f in r["finish_reasons"])),
     }
     tokens = sum(r["output_tokens"] for r in requests)
+    answered = outcomes["stopped"] + outcomes["length"] + outcomes["cancelled"]
     wall = max(wall, 1e-9)
     throughput = {
         "output_tokens": tokens,
+        "answered": answered,
         "output_tokens_per_s": tokens / wall,
-        "requests_per_s": (outcomes["stopped"] + outcomes["length"] + outcomes["cancelled"]) / wall,
+        "requests_per_s": answered / wall,
     }
     latency = {
         "ttft": _dist(r["ttft"] for r in requests if r["ttft"] is not None),
@@ -170,6 +178,8 @@ def build_http_report(config, records, phases, server, samples, wall, run_error)
     hits, queries = delta(before, after, "prefix_hits"), delta(before, after, "prefix_queries")
     server = {
         **server,
+        "hit_tokens": hits,
+        "query_tokens": queries,
         "hit_rate": hits / queries if hits is not None and queries else math.nan,
         "preemptions": delta(before, after, "preemptions"),
         "aborts": delta(before, after, "aborts"),
@@ -259,8 +269,11 @@ def _checks(report: HTTPLoadTestReport, run_error: str | None) -> list[Check]:
         Check("a preemption happened", bool(s["preemptions"]),
               f"{_num(s['preemptions'])} preemptions over the run (/metrics)", COVERAGE,
               "no preemption counter at /metrics" if s["preemptions"] is None else
-              f"a pool of {pool} blocks never ran short: serve with fewer (pagedlearn: "
-              "--num-blocks; vLLM: --num-gpu-blocks-override)"),
+              f"a pool of {pool} blocks never ran short: the squeeze sent {c['squeeze_requests']} "
+              f"requests of up to {c['squeeze_tokens']:,} tokens at once, its count bounded by "
+              "--num-requests / 10, their length by the context (--max-model-len caps it); "
+              "serve with fewer blocks (pagedlearn: --num-blocks; vLLM: "
+              "--num-gpu-blocks-override)"),
         Check("the whole mix happened", not missing,
               ("missing: " + ", ".join(missing) + "; " if missing else "")
               + f"stopped early {cnt['stopped']}, ran to max_tokens {cnt['length']}, cancelled "

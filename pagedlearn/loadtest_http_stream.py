@@ -22,6 +22,12 @@ chunk with no choices brings the token counts (pagedlearn's server, max_tokens=2
 
     data: [DONE]
 
+SSE ends a line at CR, LF or CRLF and nowhere else, so :func:`sse_lines` splits the bytes
+itself: httpx's ``aiter_lines`` uses ``str.splitlines``, which also splits at U+2028, U+2029
+and U+0085 -- characters a chunk's JSON may hold unescaped (vLLM's pydantic and pagedlearn's
+``json.dumps(ensure_ascii=False)`` leave them be; a random model's bytes C2 85 are U+0085), and
+a chunk cut there would read as a bad one.
+
 **Times** are the client's, per request, from its send (``perf_counter``): TTFT to the first
 chunk that brings tokens, ITL the gaps between such chunks, E2E to the last chunk. A chunk
 brings a token unless it is a bare end marker (no text, a finish reason). Output tokens: the
@@ -36,14 +42,16 @@ request, so that its blocks come back (the report reads /metrics after the run t
 **The outcome** a record ends with: "stopped" / "length" (every sample ended, "stopped" if one
 met a stop), "cancelled", "rejected" (a 4xx: the over-long prompt must get one, and no other
 request may: the report checks it), "error" (a 5xx, an ``error`` in the stream, a chunk that is
-not JSON, a stream that ends before every sample finished, an unknown finish reason, an httpx
-error), "timeout" (not done within ``timeout`` seconds) or "lost" (the run's bound passed before
+not JSON or not of this shape, a stream that ends before every sample finished, an unknown
+finish reason, an httpx error -- any exception: one bad reply fails its request, not the run),
+"timeout" (not done within ``timeout`` seconds) or "lost" (the run's bound passed before
 it ended).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import time
@@ -95,6 +103,8 @@ async def send_request(
         rec.update(outcome="timeout", error=f"not done within {timeout:g} s")
     except httpx.HTTPError as e:
         rec.update(outcome="error", error=f"{type(e).__name__}: {e}")
+    except Exception as e:  # a reply of an unexpected shape: this request's error, not the run's
+        rec.update(outcome="error", error=f"a bad reply ({type(e).__name__}: {e})")
     if rec["end"] is None:
         rec["end"] = time.perf_counter() - run_start
 
@@ -105,7 +115,11 @@ async def read_stream(client, spec, body: dict, rec: dict, t0: float, run_start:
     reasons: dict[int, str | None] = {}
     times: list[float] = []  # when chunks that brought tokens came
     usage, last = None, None
-    async with client.stream("POST", "/v1/completions", json=body) as response:
+    # aclosing: a cancel leaves the loop early, and the line reader must close before the stream
+    async with (
+        client.stream("POST", "/v1/completions", json=body) as response,
+        contextlib.aclosing(sse_lines(response)) as lines,
+    ):
         rec["status"] = response.status_code
         if response.status_code != 200:
             await response.aread()
@@ -113,20 +127,23 @@ async def read_stream(client, spec, body: dict, rec: dict, t0: float, run_start:
             outcome = "rejected" if refused else "error"
             rec.update(outcome=outcome, error=error_message(response))
             return
-        async for line in response.aiter_lines():
-            if not line.startswith("data:"):  # blank separators, SSE comments
+        async for line in lines:
+            if not line.startswith(b"data:"):  # blank separators, SSE comments
                 continue
-            data = line[len("data:") :].strip()
-            if data == "[DONE]":
+            data = line[len(b"data:") :].strip()
+            if data == b"[DONE]":
                 break
             now = time.perf_counter()
             try:
-                chunk = json.loads(data)
+                chunk = json.loads(data.decode("utf-8"))
                 choices = [(int(c.get("index", 0)), c) for c in chunk.get("choices") or ()]
                 # how vLLM fails a stream that has begun (older ones: {"object": "error"})
                 failed = chunk.get("error") or (chunk.get("object") == "error" and chunk)
+                if not isinstance(chunk.get("usage"), (dict, type(None))):
+                    raise TypeError(f"usage is {chunk['usage']!r}, not an object")
             except (ValueError, TypeError, AttributeError) as e:
-                rec.update(outcome="error", error=f"a bad chunk ({e}): {data[:200]}")
+                text = data[:200].decode("utf-8", "replace")
+                rec.update(outcome="error", error=f"a bad chunk ({e}): {text}")
                 return
             if failed:
                 rec.update(outcome="error", error=f"an error in the stream: {failed}")
@@ -150,8 +167,8 @@ async def read_stream(client, spec, body: dict, rec: dict, t0: float, run_start:
     rec["samples"], rec["finish_reasons"] = len(reasons), [reasons[i] for i in sorted(reasons)]
     rec["output_tokens"] = sum(tokens.values())
     if usage and rec["outcome"] != "cancelled":
-        rec["output_tokens"] = usage.get("completion_tokens", rec["output_tokens"])
-        rec["cached_tokens"] = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+        rec["output_tokens"] = _count(usage, "completion_tokens", rec["output_tokens"])
+        rec["cached_tokens"] = _count(usage.get("prompt_tokens_details") or {}, "cached_tokens")
     rec["ttft"] = times[0] - t0 if times else None
     rec["itl"] = [b - a for a, b in itertools.pairwise(times)]
     rec["end"] = None if last is None else last - run_start
@@ -166,6 +183,33 @@ async def read_stream(client, spec, body: dict, rec: dict, t0: float, run_start:
     else:
         rec["outcome"] = "stopped" if "stop" in ended else "length"
         rec["e2e"] = last - t0
+
+
+async def sse_lines(response):
+    """The lines of an SSE stream as bytes, ends cut off: split at CR, LF or CRLF only (for bytes,
+    ``bytes.splitlines`` splits there and nowhere else). A piece of the body may end mid-line, or
+    between the CR and the LF of a CRLF: what is not yet ended by LF waits for the next piece."""
+    rest = b""
+    async for piece in response.aiter_bytes():
+        lines = (rest + piece).splitlines(keepends=True)
+        rest = lines.pop() if lines and not lines[-1].endswith(b"\n") else b""
+        for line in lines:
+            yield line.rstrip(b"\r\n")
+    for line in rest.splitlines():  # the body's last line, if nothing ended it
+        yield line
+
+
+def _count(d: dict, key: str, default: int | None = None) -> int | None:
+    """``d[key]``, a count of tokens (an int >= 0); ``default`` when absent or null. A reply of
+    another shape raises ValueError, which fails this request (:func:`send_request`)."""
+    if not isinstance(d, dict):
+        raise ValueError(f"usage has {d!r} where an object with {key} belongs")
+    x = d.get(key)
+    if x is None:
+        return default
+    if isinstance(x, bool) or not isinstance(x, int) or x < 0:
+        raise ValueError(f"usage's {key} is {x!r}, not a count of tokens")
+    return x
 
 
 def error_message(response) -> str:

@@ -2,6 +2,7 @@
 reading on canned streams, the errors a user meets first, and the /metrics reader."""
 
 import asyncio
+import dataclasses
 import json
 import math
 import socket
@@ -23,6 +24,7 @@ from pagedlearn.loadtest_http import (
     salt_of,
 )
 from pagedlearn.loadtest_http_report import JSON_KEYS
+from pagedlearn.loadtest_http_stream import sse_lines
 from pagedlearn.loadtest_mix import MIN_REQUESTS, RequestSpec, build_mix
 from pagedlearn.server_metrics import MetricsPageError, parse_metrics
 
@@ -62,7 +64,13 @@ def test_the_mix_runs_against_pagedlearns_server(report, server):
     for name in ("ttft", "itl", "e2e"):
         d = report.latency[name]
         assert d["count"] > 0 and 0 < d["p50"] <= d["p90"] <= d["p99"]
-    assert report.throughput["output_tokens"] > 0 and report.throughput["requests_per_s"] > 0
+    t, wall = report.throughput, report.wall_time
+    assert t["output_tokens"] > 0 and t["requests_per_s"] > 0
+    assert t["answered"] == c["stopped"] + c["length"] + c["cancelled"]
+    # each derived number beside its rule
+    assert f"{t['output_tokens']:,} output tokens / {wall:.2f} s wall = " in report.summary()
+    assert f"{t['answered']} answered (finished or cancelled) / {wall:.2f} s = " in report.summary()
+    assert report.config["squeeze_requests"] == 8 and report.config["squeeze_tokens"] <= 512
     phases = report.prefix_cache["phases"]
     assert report.prefix_cache["source"] == "usage"  # pagedlearn's usage has cached_tokens
     assert phases["cold"]["hit_tokens"] == phases["version"]["hit_tokens"] == 0
@@ -84,6 +92,16 @@ def test_cancelled_streams_were_aborted_and_every_block_came_back(report, server
         )
     )
     assert idle and used == 0 and aborts >= report.counts["cancelled"] > 0
+
+
+def test_a_pool_that_never_ran_short_says_what_bounds_the_squeeze(report):
+    from pagedlearn.loadtest_http_report import _checks
+
+    quiet = dataclasses.replace(report, server={**report.server, "preemptions": 0.0})
+    hint = next(c.hint for c in _checks(quiet, None) if c.name == "a preemption happened")
+    tokens = report.config["squeeze_tokens"]
+    assert f"the squeeze sent 8 requests of up to {tokens:,} tokens at once" in hint
+    assert "--num-requests / 10" in hint and "--max-model-len caps it" in hint
 
 
 def test_a_rerun_starts_cold_and_the_json_holds_every_number(report, server, tmp_path, capsys):
@@ -193,6 +211,85 @@ def test_reading_a_stream(case, outcome, tokens, error):
     if case == "length":  # usage's numbers win over the chunks counted
         assert rec["cached_tokens"] == 16 and rec["ttft"] > 0 and len(rec["itl"]) == 1
         assert rec["e2e"] >= rec["ttft"] and rec["finish_reasons"] == ["length"]
+
+
+def _run_canned(answer, specs):
+    """Run ``specs`` (all of the mix phase) against ``answer(request) -> httpx.Response``."""
+
+    async def go():
+        transport = httpx.MockTransport(answer)
+        async with httpx.AsyncClient(transport=transport, base_url="http://canned") as client:
+            run = _Run(client, specs, "run", "m", 5.0, metrics=False)
+            await asyncio.wait_for(run.phases_in_order(), 10.0)
+            return run.records
+
+    return asyncio.run(go())
+
+
+def _spec(rid, prompt=(1, 2, 3)):
+    return RequestSpec(rid, "mix", prompt, SamplingParams(max_tokens=8, ignore_eos=True))
+
+
+def test_sse_lines_end_only_at_cr_or_lf():
+    # U+2028, U+2029 and U+0085 are line ends to str.splitlines (httpx's aiter_lines), not to
+    # SSE; a server may send them unescaped. Cut the body into 5-byte pieces: some end inside a
+    # character's bytes, one between the CR and the LF of a CRLF.
+    text = "a\u2028b\u0085c\u2029"
+    line = json.dumps(_token(text), ensure_ascii=False).encode()
+    body = b"data: " + line + b"\r\n\r\n" + b"data: " + json.dumps(_token("d", "length")).encode()
+    body += b"\r\rdata: [DONE]"  # CR alone ends a line too; the last line has no end at all
+    pieces = [body[i : i + 5] for i in range(0, len(body), 5)]
+    assert any(p.endswith(b"\r") for p in pieces)
+
+    def stream(request):
+        async def chunks():
+            for p in pieces:
+                yield p
+
+        return httpx.Response(200, content=chunks())
+
+    async def lines():
+        transport = httpx.MockTransport(stream)
+        async with (
+            httpx.AsyncClient(transport=transport, base_url="http://canned") as client,
+            client.stream("POST", "/v1/completions") as response,
+        ):
+            return [x async for x in sse_lines(response)]
+
+    got = asyncio.run(lines())
+    assert len(got) == 5 and got[1] == got[3] == b"" and got[4] == b"data: [DONE]"
+    assert json.loads(got[0][len(b"data: ") :])["choices"][0]["text"] == text
+    rec = _run_canned(stream, [_spec("r-0")])["r-0"]
+    assert rec["outcome"] == "length" and rec["error"] is None and rec["output_tokens"] == 2
+
+
+def test_a_bad_reply_fails_its_request_and_the_run_goes_on():
+    usage = lambda u: {"choices": [], "usage": u}  # noqa: E731
+    replies = {  # prompt's first id -> body
+        1: _sse(_token(), _token("b", "length"), b"[DONE]"),  # a good one
+        2: _sse(_token(), _token("b", "length"), usage(5), b"[DONE]"),
+        3: _sse(_token(), _token("b", "length"), usage({"completion_tokens": "7"}), b"[DONE]"),
+        4: _sse(_token(), _token("b", "length"),
+                usage({"prompt_tokens_details": 3, "completion_tokens": 2}), b"[DONE]"),
+        5: _sse(b"<html>not json</html>"),
+        6: _sse(b"[1, 2]"),  # JSON, not a chunk
+        7: b"<html>Bad Gateway</html>",  # not SSE at all
+    }  # fmt: skip
+
+    def answer(request):
+        first = json.loads(request.content)["prompt"][0]
+        return httpx.Response(200, content=replies[first])
+
+    records = _run_canned(answer, [_spec(f"r-{i}", (i, 9)) for i in replies])
+    assert records["r-1"]["outcome"] == "length" and records["r-1"]["error"] is None
+    errors = {i: records[f"r-{i}"]["error"] for i in replies if i != 1}
+    assert all(records[f"r-{i}"]["outcome"] == "error" for i in errors), records
+    assert "a bad chunk (usage is 5, not an object)" in errors[2]
+    assert "ValueError: usage's completion_tokens is '7', not a count of tokens" in errors[3]
+    assert "usage has 3 where an object with cached_tokens belongs" in errors[4]
+    assert "a bad chunk (" in errors[5] and "<html>not json" in errors[5]
+    assert "a bad chunk (" in errors[6]
+    assert "0 of 1 samples began" in errors[7]
 
 
 VLLM_PAGE = """\
