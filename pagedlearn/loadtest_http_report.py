@@ -28,7 +28,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from pagedlearn.engine.metrics import percentiles
-from pagedlearn.loadtest_report import MIX_KINDS, QS, _json_safe
+from pagedlearn.loadtest_report import MIX_KINDS, QS, CheckedReport
 from pagedlearn.loadtest_verdicts import CORRECTNESS, COVERAGE, Check, percent
 from pagedlearn.server_metrics import delta
 
@@ -52,7 +52,7 @@ MAX_LISTED = 5  # requests named in a check's detail
 
 
 @dataclass
-class HTTPLoadTestReport:
+class HTTPLoadTestReport(CheckedReport):
     """One run over HTTP: ``config`` (endpoint, model, the pool as /metrics said, the options),
     ``wall_time``, the numbers by topic (dicts, see the module docstring), ``checks``, the
     per-request ``requests`` and the /metrics ``samples``. ``summary()`` is what the command
@@ -71,22 +71,7 @@ class HTTPLoadTestReport:
     requests: list[dict] = field(repr=False)
     samples: dict = field(repr=False)
 
-    @property
-    def ok(self) -> bool:
-        """Every correctness check passed."""
-        return all(c.ok for c in self.checks if c.kind == CORRECTNESS)
-
-    @property
-    def complete(self) -> bool:
-        """Every check passed, the coverage checks too."""
-        return all(c.ok for c in self.checks)
-
-    def as_dict(self) -> dict:
-        """Every number, JSON-able (NaN -> None)."""
-        d = {k: getattr(self, k) for k in JSON_KEYS if k not in ("ok", "complete", "checks")}
-        d["ok"], d["complete"] = self.ok, self.complete
-        d["checks"] = [c.as_dict() for c in self.checks]
-        return _json_safe(d)
+    JSON_KEYS = JSON_KEYS
 
     def summary(self) -> str:
         c, cnt, s, pc, t = self.config, self.counts, self.server, self.prefix_cache, self.throughput

@@ -55,8 +55,34 @@ ENGINE_METRICS = ("ttft", "itl", "e2e", "queue_time", "prompt_tokens", "generati
                   "running_seqs", "iteration_tokens")  # fmt: skip
 
 
+class CheckedReport:
+    """What a load test's report says from its ``checks`` (a list of :class:`Check`), shared by
+    the in-process report and the one over HTTP (loadtest_http_report.py): whether it is
+    ``ok`` and ``complete``, and ``as_dict()`` over the class's ``JSON_KEYS``."""
+
+    JSON_KEYS: tuple[str, ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        """Every correctness check passed: nothing lost, leaked, broken or shared."""
+        return all(c.ok for c in self.checks if c.kind == CORRECTNESS)
+
+    @property
+    def complete(self) -> bool:
+        """Every check passed, the coverage checks too: the run exercised all it meant to."""
+        return all(c.ok for c in self.checks)
+
+    def as_dict(self) -> dict:
+        """Every number, JSON-able (NaN -> None)."""
+        keys = (k for k in self.JSON_KEYS if k not in ("ok", "complete", "checks"))
+        d = {k: getattr(self, k) for k in keys}
+        d["ok"], d["complete"] = self.ok, self.complete
+        d["checks"] = [c.as_dict() for c in self.checks]
+        return _json_safe(d)
+
+
 @dataclass
-class LoadTestReport:
+class LoadTestReport(CheckedReport):
     """One run: ``config`` (model, pool, arguments), ``wall_time`` (seconds, model load
     excluded), the numbers by topic (dicts; see the module docstring), ``checks``, the
     per-step ``series`` and per-request ``requests``, the engine's own numbers (``engine``,
@@ -78,22 +104,7 @@ class LoadTestReport:
     engine: dict = field(default_factory=dict, repr=False)  # StepStats.as_dict() at the end
     engine_metrics: dict = field(default_factory=dict, repr=False)  # name -> p50 / p90 / p99
 
-    @property
-    def ok(self) -> bool:
-        """Every correctness check passed: nothing lost, leaked, broken or shared."""
-        return all(c.ok for c in self.checks if c.kind == CORRECTNESS)
-
-    @property
-    def complete(self) -> bool:
-        """Every check passed, the coverage checks too: the run exercised all it meant to."""
-        return all(c.ok for c in self.checks)
-
-    def as_dict(self) -> dict:
-        """Every number, JSON-able (NaN -> None)."""
-        d = {k: getattr(self, k) for k in JSON_KEYS if k not in ("ok", "complete", "checks")}
-        d["ok"], d["complete"] = self.ok, self.complete
-        d["checks"] = [c.as_dict() for c in self.checks]
-        return _json_safe(d)
+    JSON_KEYS = JSON_KEYS
 
     def summary(self) -> str:
         c, cnt, pool, pc = self.config, self.counts, self.pool, self.prefix_cache
