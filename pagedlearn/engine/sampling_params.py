@@ -6,11 +6,16 @@ it, before any request is queued.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from pagedlearn.errors import PagedLearnError
 
 MAX_LOGPROBS = 20  # the most top tokens per position ``logprobs`` may ask for (vLLM's default)
+MAX_SEED = 2**63 - 1  # vLLM's range (an int64); torch's Generator takes no more than 2**64 - 1
+# Below this temperature sampling is greedy (vLLM's _SAMPLING_EPS): dividing the logits by a
+# smaller one overflows them all to -inf, and softmax turns that into NaN probabilities.
+SAMPLING_EPS = 1e-5
 
 
 def _check_int(name: str, value, low: int) -> None:
@@ -27,6 +32,13 @@ def _stop_strings(stop) -> tuple[str, ...]:
         raise PagedLearnError(
             f"stop must be a non-empty string or a list of non-empty strings, got {stop!r}"
         )
+    for s in items:  # the engine compares their UTF-8 bytes (Sequence.output_text_has)
+        try:
+            s.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise PagedLearnError(
+                f"stop must be valid Unicode text: {s!r} holds a lone surrogate at {e.start}"
+            ) from None
     return tuple(items)
 
 
@@ -35,11 +47,14 @@ class SamplingParams:
     """Per-request sampling settings, as in ``vllm.SamplingParams``.
 
     - ``max_tokens``: the most tokens to generate (the request finishes with reason "length").
-    - ``temperature``: 0 is greedy (argmax); higher flattens the distribution.
+    - ``temperature``: 0 is greedy (argmax); higher flattens the distribution. Below
+      :data:`SAMPLING_EPS` (1e-5) is greedy too, as in vLLM's ``sampling_type``: the logits
+      divided by a tinier one overflow. (vLLM 0.33 also raises a temperature in (0, 0.01) to
+      0.01 with a warning; pagedlearn samples at the temperature given.)
     - ``top_k`` (-1: off) and ``top_p`` (1.0: off) cut the distribution to the k most likely
       tokens / the smallest set whose probability reaches p, before sampling.
     - ``seed``: a private random generator for this request, so its samples are reproducible
-      whatever else runs in the same batch.
+      whatever else runs in the same batch; an int in [0, 2**63 - 1].
     - ``n``: how many samples of the same prompt. They share the prompt's KV blocks (fork) and
       copy only the last, partly filled block when they first write different tokens into it.
     - ``stop_token_ids``: extra tokens that end a sample (finish reason "stop"); the model's EOS
@@ -70,14 +85,19 @@ class SamplingParams:
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, 1)
         _check_int("n", self.n, 1)
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            raise PagedLearnError(f"temperature must be >= 0, got {self.temperature!r}")
+        t = self.temperature
+        if not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+            raise PagedLearnError(f"temperature must be a finite number >= 0, got {t!r}")
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             raise PagedLearnError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or self.top_k == 0 or self.top_k < -1:
             raise PagedLearnError(f"top_k must be -1 (off) or >= 1, got {self.top_k!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
-            raise PagedLearnError(f"seed must be None or an int >= 0, got {self.seed!r}")
+        if self.seed is not None and (
+            not isinstance(self.seed, int) or not 0 <= self.seed <= MAX_SEED
+        ):
+            raise PagedLearnError(
+                f"seed must be None or an int in [0, 2**63 - 1], got {self.seed!r}"
+            )
         try:
             stops = tuple(int(t) for t in self.stop_token_ids)
         except (TypeError, ValueError):
@@ -100,7 +120,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """Argmax instead of sampling: a temperature below :data:`SAMPLING_EPS` (the one place
+        that decides: the sampler and the engine ask it)."""
+        return self.temperature < SAMPLING_EPS
 
 
 @dataclass(frozen=True)
