@@ -183,6 +183,77 @@ def test_logprobs(srv, llm, client):
     assert r.choices[0].logprobs is None
 
 
+def test_top_logprobs_show_the_most_likely_of_tokens_that_decode_alike(srv, client):
+    # Greedy: the sampled token is the most likely, so its value is the one its text shows. The
+    # byte tokenizer decodes every byte >= 0x80 to U+FFFD: among 20 candidates several do.
+    args = dict(model=srv.model_name, prompt="Hello", max_tokens=24, temperature=0)
+    lp = client.completions.create(**args, logprobs=20).choices[0].logprobs
+    assert any(t == "\ufffd" for t in lp.tokens)  # (else this test shows nothing)
+    for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert top[token] == pytest.approx(value)
+        assert max(top.values()) == pytest.approx(value)
+
+
+def test_a_tiny_temperature_is_greedy(srv, client):
+    args = dict(model=srv.model_name, prompt="Hello", max_tokens=8, extra_body={"ignore_eos": True})
+    greedy = client.completions.create(**args, temperature=0).choices[0].text
+    for t in (1e-6, 1e-40, 5e-324):  # logits / t would overflow: NaN probabilities
+        assert client.completions.create(**args, temperature=t).choices[0].text == greedy
+
+
+def test_unicode_line_separators_in_text_do_not_split_sse_lines(srv):
+    """httpx's iter_lines splits with str.splitlines, which also ends a line at U+2028, U+2029
+    and U+0085: the server's JSON escapes them. (The tokenizer is made to write them: every
+    printable ASCII character of the output's text becomes one of the three.)"""
+    tok = srv.engine.tokenizer
+    breaks = "\u2028\u2029\x85"
+    table = {c: breaks[c % 3] for c in range(32, 127)}
+    real = type(tok).decode
+    body = {"prompt": "Hello", "max_tokens": 32, "temperature": 0, "ignore_eos": True}
+    url = srv.base_url + "/completions"
+    tok.decode = lambda ids, **kw: real(tok, ids, **kw).translate(table)
+    try:
+        with httpx.Client(timeout=TIMEOUT) as http:
+            want = http.post(url, json=body).json()["choices"][0]["text"]
+            with http.stream("POST", url, json={**body, "stream": True}) as r:
+                lines = [x for x in r.iter_lines() if x]
+    finally:
+        del tok.decode
+    assert set(breaks) <= set(want)
+    assert lines[-1] == "data: [DONE]" and all(x.startswith("data: {") for x in lines[:-1])
+    chunks = [json.loads(x.removeprefix("data: ")) for x in lines[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == want
+
+
+def test_a_stream_decodes_each_token_about_once():
+    """Incremental detokenization: a stream of N one-token outputs decodes O(N) tokens in all,
+    not the whole output again for every chunk (N^2 / 2); its deltas add up to the text, cut
+    before the stop string, whose start was held back."""
+    from pagedlearn.engine.request import CompletionOutput, RequestOutput
+    from pagedlearn.models.tokenizer import ByteTokenizer
+    from pagedlearn.serve.responses import Reply
+
+    tok, decoded = ByteTokenizer(), []
+
+    def decode(ids):
+        decoded.append(len(ids))
+        return tok.decode(ids, skip_special_tokens=True)
+
+    want = "naïve café, 日本語 ✓ " * 20  # multi-byte characters: split across tokens
+    ids = list((want + "STOP here").encode())
+    reply, sent = Reply("completion", "m", tok), []
+    for n in range(1, len(ids) + 1):  # the engine's outputs, one token more each
+        done = "stop" if "STOP" in tok.decode(ids[:n]) else None
+        c = CompletionOutput(0, ids[:n], 0.0, done, detokenize=decode, stop=("STOP",))
+        out = RequestOutput("r", None, [1], [c], done is not None, None)
+        sent += [ch["choices"][0]["text"] for ch in reply.chunks(out)]
+        if done:
+            break
+    assert len(sent) == n and "".join(sent) == want == c.text
+    assert sum(decoded) < 10 * n  # (measured: ~6 n; the whole output each time: n * n / 2)
+    assert "\ufffd" not in "".join(sent)  # a character goes out whole, never as U+FFFD
+
+
 def test_usage_counts_cached_tokens_and_cache_salt_keeps_tenants_apart(srv, client):
     def cached(prompt, salt=None) -> int:
         extra = {"cache_salt": salt} if salt else None
@@ -198,6 +269,13 @@ def test_usage_counts_cached_tokens_and_cache_salt_keeps_tenants_apart(srv, clie
     assert cached(prompt, "tenant-a") == 0  # another tenant's blocks are not shared
     assert cached(prompt, "tenant-a") > 0
     assert cached(prompt, "tenant-b") == 0
+
+
+def test_more_samples_than_a_step_runs_are_refused(srv):
+    body = {"prompt": "x", "max_tokens": 2, "n": 65, "temperature": 1}  # max_num_seqs: 64
+    r = httpx.post(srv.base_url + "/completions", json=body, timeout=TIMEOUT)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+    assert "max_num_seqs" in r.json()["error"]["message"]
 
 
 # --- what only a server has ----------------------------------------------------------------------

@@ -14,9 +14,14 @@ the ``openai`` package, a load generator -- can drive pagedlearn's engine::
 Read in this order: ``engine_loop`` (the one thread that owns the ``LLMEngine``; the HTTP side
 talks to it by message), ``streams`` (one request's outputs on the asyncio side), ``protocol``
 (what a request body may say, and its ``SamplingParams``), ``chat`` (messages -> one prompt),
-``responses`` (OpenAI's bodies and stream chunks), ``api_server`` (the routes, errors, API key,
-streaming). This file starts them -- the engine loop on its thread, uvicorn on another -- and
-returns a :class:`ServerHandle`.
+``responses`` (OpenAI's bodies and stream chunks), ``middleware`` (OpenAI's error shape, the API
+key, a bug's 500), ``api_server`` (the routes, their errors, streaming). This file starts them
+-- the engine loop on its thread, uvicorn on another -- and returns a :class:`ServerHandle`.
+
+The context it serves is the model's, or what the block pool holds if that is less
+(``num_blocks * block_size`` tokens; ``srv.max_model_len``, and ``/v1/models`` says it): a
+request longer than the pool could never run. vLLM refuses to start with a pool that small;
+pagedlearn's small pools are the point of the course, so it serves what fits and says so.
 
 The web stack is the ``[serve]`` extra (``pip install "pagedlearn[serve]"``); it is imported only
 when a server starts, so the rest of pagedlearn runs without it.
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import signal
 import socket
 import sys
 import threading
@@ -56,10 +62,14 @@ def _require() -> None:
 
 
 class ServerHandle:
-    """A running server: where it listens, its engine, and :meth:`stop`."""
+    """A running server: where it listens, its engine, the context it serves
+    (``max_model_len``), and :meth:`stop`."""
 
-    def __init__(self, llm, loop, server, thread, url: str, model_name: str) -> None:
+    def __init__(
+        self, llm, loop, server, thread, url: str, model_name: str, max_model_len: int
+    ) -> None:
         self.llm, self.engine, self.model_name = llm, llm.engine, model_name
+        self.max_model_len = max_model_len
         self.url, self.base_url = url, url + "/v1"
         self._loop, self._server, self._thread = loop, server, thread
         self._stopped = False
@@ -107,7 +117,8 @@ def serve(
     ``LLM`` already built, whose engine the server then owns until ``stop()``) on
     ``host:port`` (``port=0``: a free port) and return once it listens. ``api_key``: required
     as ``Authorization: Bearer`` on ``/v1/*``. ``served_model_name``: the name clients send
-    (default: the model's)."""
+    (default: the model's). A ``block_size`` longer than the model's context raises
+    ``demo.OptionError``, as the demo does."""
     _require()
     import uvicorn
 
@@ -122,10 +133,11 @@ def serve(
     sock = _bind(host, port)  # first: a port in use fails before a model is loaded
     loop = None
     try:
-        llm = model if isinstance(model, LLM) else LLM(model, **llm_kwargs)
+        llm = model if isinstance(model, LLM) else _load(model, llm_kwargs)
         name = served_model_name or str(llm.model_name)
+        context = _served_context(llm, verbose=llm_kwargs.get("verbose", True))
         loop = EngineLoop(llm.engine).start()
-        app = build_app(loop, name, llm.engine.max_model_len, api_key)
+        app = build_app(loop, name, context, api_key)
         config = uvicorn.Config(
             app, log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=5
         )
@@ -146,7 +158,43 @@ def serve(
         sock.close()
         raise
     bound = sock.getsockname()[1]
-    return ServerHandle(llm, loop, server, thread, _url(host, bound), name)
+    return ServerHandle(llm, loop, server, thread, _url(host, bound), name, context)
+
+
+def _load(model, llm_kwargs: dict):
+    """``LLM(model, **llm_kwargs)``, the block size checked against the model's context first,
+    before the pool is allocated (the demo's check, with its error)."""
+    from pagedlearn.demo import OptionError
+    from pagedlearn.engine.llm import LLM
+    from pagedlearn.models import LoadedModel, load
+    from pagedlearn.models.runner import max_model_len
+
+    kwargs = dict(llm_kwargs)
+    if not isinstance(model, LoadedModel):
+        model = load(model, kwargs.pop("tokenizer", None), kwargs.pop("dtype", None))
+    block_size, context = kwargs.get("block_size", 16), max_model_len(model.model)
+    if isinstance(block_size, int) and block_size > context:
+        raise OptionError(
+            "block_size",
+            f"block_size {block_size} is more than {model.name}'s context of {context} "
+            "tokens: a block that long could never fill",
+        )
+    return LLM(model, **kwargs)
+
+
+def _served_context(llm, verbose: bool = True) -> int:
+    """The context the server serves: the model's, or what the pool holds if that is less (a
+    longer request could never run); said in one line when it is less."""
+    engine = llm.engine
+    blocks, size = engine.kv.allocator.num_blocks, engine.kv.block_size
+    context = min(engine.max_model_len, blocks * size)
+    if context < engine.max_model_len and verbose:
+        print(
+            f"pagedlearn: serving a context of {context} tokens, what the pool holds ({blocks} "
+            f"blocks x {size} tokens; {llm.model_name}'s context is {engine.max_model_len})",
+            flush=True,
+        )
+    return context
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -163,8 +211,8 @@ def _bind(host: str, port: int) -> socket.socket:
     except OSError as e:
         sock.close()
         raise PagedLearnError(
-            f"cannot listen on {host}:{port} ({e.strerror or e}); pick another --port "
-            "(0: any free one) or --host"
+            f"cannot listen on {host}:{port} ({e.strerror or e}); pick another port "
+            "(0: any free one) or host"
         ) from None
 
 
@@ -174,45 +222,38 @@ def _url(host: str, port: int) -> str:
 
 
 # --- the command line -----------------------------------------------------------------------------
-def _count(low: int, high: int | None = None):
-    """An argparse ``type``: an integer in ``[low, high]``."""
-
-    def parse(text: str) -> int:
-        import argparse
-
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
-        if value < low or (high is not None and value > high):
-            bound = f"at least {low}" if high is None else f"in [{low}, {high}]"
-            raise argparse.ArgumentTypeError(f"must be {bound}, got {value}")
-        return value
-
-    return parse
-
-
 def add_arguments(parser) -> None:
-    """The ``serve`` command's options (``python -m pagedlearn serve --help``)."""
+    """The ``serve`` command's options (``python -m pagedlearn serve --help``): the demo's own
+    checks and words where the two share an option."""
+    from pagedlearn import demo
+    from pagedlearn.__main__ import int_in
+
     parser.add_argument(
         "--model", default="tiny-gpt2", help="tiny-gpt2 (offline), gpt2, facebook/opt-125m, a path"
     )
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: all)")
-    port = _count(0, 65535)
+    port = int_in(0, 65535)
     parser.add_argument("--port", type=port, default=DEFAULT_PORT, help="0: any free port")
-    parser.add_argument(
+    parser.add_argument(  # never the key as its default: --help would print it
         "--api-key",
-        default=os.environ.get("PAGEDLEARN_API_KEY"),
-        help="require 'Authorization: Bearer KEY' on /v1/* (default: $PAGEDLEARN_API_KEY; "
-        "none: open)",
+        default=None,
+        metavar="KEY",
+        help="require 'Authorization: Bearer KEY' on /v1/* (default: $PAGEDLEARN_API_KEY if set, "
+        "else none: open)",
     )
     parser.add_argument(
         "--served-model-name", default=None, help="the name clients send (default: --model's)"
     )
-    parser.add_argument("--block-size", type=_count(1), default=16, help="tokens per block")
     parser.add_argument(
-        "--num-blocks", type=_count(1), default=None,
-        help="blocks in the pool (default: what LLM sizes from the memory budget)",
+        "--block-size",
+        type=int_in(1, demo.MAX_BLOCK_SIZE, "a block longer than the model's context never fills"),
+        default=16,
+        help="tokens per block (at most the model's context)",
+    )
+    parser.add_argument(
+        "--num-blocks", type=int_in(1), default=None,
+        help="blocks in the pool (default: what LLM sizes from the memory budget); a pool of fewer "
+        "tokens than the model's context serves a context of what it holds",
     )  # fmt: skip
     parser.add_argument(
         "--preemption-mode", choices=("recompute", "swap"), default="recompute",
@@ -221,27 +262,34 @@ def add_arguments(parser) -> None:
     )  # fmt: skip
     parser.add_argument(
         "--backend", choices=("auto", "torch", "triton", "reference"), default="auto",
-        help="attention: auto = Triton on a GPU, torch (SDPA over the paged cache) on a CPU",
+        help="attention: auto = Triton on a GPU, torch (SDPA over the paged cache) on a CPU; "
+        "reference = the readable PyTorch references",
     )  # fmt: skip
     parser.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
     parser.add_argument(
-        "--max-num-seqs", type=_count(1), default=64, help="sequences one step may run"
+        "--max-num-seqs", type=int_in(1), default=64, help="sequences one step may run"
     )
     parser.add_argument(
-        "--swap-blocks", type=_count(0), default=None,
+        "--swap-blocks", type=int_in(0), default=None,
         help="blocks in the CPU swap pool (default: as many as the pool with --preemption-mode "
         "swap, else none)",
     )  # fmt: skip
 
 
 def cli(args) -> int:
-    """``python -m pagedlearn serve``: serve until Ctrl-C. Exit 1 if it cannot start."""
+    """``python -m pagedlearn serve``: serve until Ctrl-C or SIGTERM (``kill``; a background
+    ``serve &`` of a non-interactive shell ignores Ctrl-C's SIGINT). Exit 2 for an option the
+    model rules out (as the demo), 1 if it cannot start."""
+    from pagedlearn.demo import OptionError
+
+    env_key = os.environ.get("PAGEDLEARN_API_KEY") or None
+    api_key = args.api_key or env_key
     try:
         srv = serve(
             args.model,
             host=args.host,
             port=args.port,
-            api_key=args.api_key or None,
+            api_key=api_key,
             served_model_name=args.served_model_name,
             block_size=args.block_size,
             num_blocks=args.num_blocks,
@@ -251,11 +299,15 @@ def cli(args) -> int:
             max_num_seqs=args.max_num_seqs,
             swap_blocks=args.swap_blocks,
         )
+    except OptionError as e:  # a usage error, reported with serve's usage, as the demo does
+        from pagedlearn.__main__ import build_parser
+
+        build_parser()[1]["serve"].error(f"argument --{e.option.replace('_', '-')}: {e}")
     except PagedLearnError as e:
         print(f"serve stopped: {e}", file=sys.stderr)
         return 1
-    key = "$PAGEDLEARN_API_KEY" if args.api_key == os.environ.get("PAGEDLEARN_API_KEY") else "KEY"
-    auth = f' -H "Authorization: Bearer {key}"' if args.api_key else ""  # (never the key itself)
+    key = "$PAGEDLEARN_API_KEY" if not args.api_key else "KEY"
+    auth = f' -H "Authorization: Bearer {key}"' if api_key else ""  # (never the key itself)
     body = f'{{"model": "{srv.model_name}", "prompt": "Hello, my name is", "max_tokens": 16}}'
     print(f"pagedlearn: serving {srv.model_name} at {srv.base_url} (Ctrl-C stops it)", flush=True)
     print(
@@ -263,13 +315,22 @@ def cli(args) -> int:
         f"-d '{body}'",
         flush=True,  # a log file or a pipe sees where it listens now, not at exit
     )
+    on_main = threading.current_thread() is threading.main_thread()  # (signals: there only)
+    previous = signal.signal(signal.SIGTERM, _interrupt) if on_main else None
     try:
         srv.wait()
     except KeyboardInterrupt:
-        print("pagedlearn: stopping")
+        print("pagedlearn: stopping", flush=True)
     finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
         srv.stop()
     return 0
+
+
+def _interrupt(signum, frame) -> None:
+    """SIGTERM: stop as Ctrl-C does."""
+    raise KeyboardInterrupt
 
 
 __all__ = ["ServeUnavailableError", "ServerHandle", "add_arguments", "cli", "serve"]

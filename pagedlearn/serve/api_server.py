@@ -1,5 +1,5 @@
-"""The HTTP side: a FastAPI app with OpenAI's routes over an :class:`EngineLoop` (vLLM's
-``api_server.py``, small).
+"""The HTTP side: a FastAPI app with OpenAI's routes over an :class:`EngineLoop` (vLLM 0.33's
+``build_app`` in ``entrypoints/launchers/app.py`` and the routes it mounts, small).
 
 ::
 
@@ -12,26 +12,30 @@
 Streaming is Server-Sent Events: ``data: {chunk}\\n\\n`` per chunk, ``data: [DONE]\\n\\n`` last.
 A client that goes away is noticed at once (uvicorn tells the app): a stream's generator is
 cancelled by Starlette, a non-streaming request is raced against the disconnect
-(:func:`_unless_disconnected`, as vLLM's ``with_cancellation``); either way the request is
-aborted on the engine and its blocks go back to the pool.
+(:func:`_unless_disconnected`, as ``with_cancellation`` in vLLM's
+``entrypoints/serve/utils/api_utils.py``); either way the request is aborted on the engine and
+its blocks go back to the pool. Every chunk's JSON escapes U+2028, U+2029 and U+0085: clients
+that split the stream with ``str.splitlines`` (httpx's ``iter_lines``) end a line at them.
 
 Every error is OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}`` with ``code``
-the HTTP status: a bad body is a 400 naming the field (never FastAPI's 422), an unknown model a
-404, a wrong or missing ``Authorization: Bearer`` key a 401 on ``/v1/*`` when the server has a
-key (``/health`` and ``/metrics`` stay open, as in vLLM), a stopped or broken engine a 503. A
-failure of the engine while streaming arrives as a last ``data: {"error": ...}`` event.
+the HTTP status: a bad body is a 400 naming the field (never FastAPI's 422; a body sent without
+``Content-Type: application/json`` is one too, as in vLLM), an unknown model a 404, a wrong or
+missing ``Authorization: Bearer`` key a 401 on ``/v1/*`` when the server has a key
+(middleware.py; ``/health`` and ``/metrics`` stay open, as in vLLM), a stopped or broken engine
+a 503. A failure of the engine while streaming arrives as a last ``data: {"error": ...}`` event.
+A bug in the server is a JSON 500 too, logged once with its traceback (middleware.py), and the
+connection stays open: Starlette's own handler would send the 500 and then raise again, and
+uvicorn would close the connection.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
-import hmac
 import json
+import logging
 import re
 import time
-from http import HTTPStatus
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -43,38 +47,39 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pagedlearn.engine.admission import RequestRejectedError
 from pagedlearn.engine.prometheus import prometheus_text
 from pagedlearn.serve.chat import chat_prompt_ids
-from pagedlearn.serve.engine_loop import EngineDeadError, EngineLoop, RequestStream
-from pagedlearn.serve.protocol import ChatCompletionRequest, CompletionRequest, ProtocolError
+from pagedlearn.serve.engine_loop import (
+    EngineDeadError,
+    EngineLoop,
+    RequestLostError,
+    RequestStream,
+)
+from pagedlearn.serve.middleware import (
+    ApiKeyMiddleware,
+    InternalErrorMiddleware,
+    error_body,
+    error_response,
+)
+from pagedlearn.serve.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ProtocolError,
+    check_pool,
+)
 from pagedlearn.serve.responses import Reply
 
-ERROR_TYPES = {
-    400: "BadRequestError",
-    401: "AuthenticationError",
-    404: "NotFoundError",
-    500: "InternalServerError",
-    503: "ServiceUnavailableError",
-}
-
-
-def error_body(status: int, message: str, param: str | None = None) -> dict:
-    kind = ERROR_TYPES.get(status) or HTTPStatus(status).phrase.replace(" ", "") + "Error"
-    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
-
-
-def error_response(
-    status: int, message: str, param: str | None = None, headers=None
-) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
+logger = logging.getLogger("pagedlearn.serve")
 
 
 def build_app(
     loop: EngineLoop, model_name: str, max_model_len: int, api_key: str | None = None
 ) -> FastAPI:
-    """The app: OpenAI's routes serving ``model_name`` from ``loop``'s engine."""
+    """The app: OpenAI's routes serving ``model_name`` from ``loop``'s engine, with a context of
+    ``max_model_len`` tokens (what serve() serves: at most what the pool holds)."""
     app = FastAPI(title="pagedlearn", summary="PagedAttention, small: an OpenAI-compatible server")
     tokenizer = loop.engine.tokenizer
     started = int(time.time())  # /v1/models' "created": when this server started serving it
     _install_error_handlers(app)
+    app.add_middleware(InternalErrorMiddleware)
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
 
@@ -120,13 +125,13 @@ def build_app(
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
         check_model(body.model)
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        ids = chat_prompt_ids(tokenizer, messages)
+        ids = chat_prompt_ids(tokenizer, body.chat_messages())
         return await serve_one(raw, body, "chat", ids)
 
     async def serve_one(raw: Request, body, kind: str, ids: list[int]) -> Response:
         """Both endpoints from here: the prompt's token ids in, one response out."""
         params = body.sampling_params(len(ids), max_model_len)
+        check_pool(loop.engine.kv, len(ids), params, body.requested_max_tokens()[1])
         reply = Reply(kind, model_name, tokenizer, params.logprobs)
         stream_it = bool(body.stream)
         try:
@@ -134,6 +139,8 @@ def build_app(
         except RequestRejectedError as e:  # the engine's admission: the message names why
             why = str(e).replace(f"request {reply.id!r}", "this request")
             raise ProtocolError(why, "n" if "sequences" in why else "prompt") from None
+        except (ValueError, TypeError) as e:  # what else the engine found wrong with the input
+            raise ProtocolError(f"the engine refused this request: {e}") from None
         if stream_it:
             usage = bool(body.stream_options and body.stream_options.include_usage)
             events = _sse(stream, reply, params.n, usage)
@@ -184,6 +191,8 @@ async def _sse(stream: RequestStream, reply: Reply, n: int, include_usage: bool)
             if include_usage and out is not None:
                 yield _event(reply.usage_chunk(out))
     except Exception as e:  # the engine stopped or broke (EngineDeadError, RequestLostError)
+        if not isinstance(e, (EngineDeadError, RequestLostError)):  # a bug: say where, once
+            logger.exception("pagedlearn: internal error in a stream")
         status = 503 if isinstance(e, EngineDeadError) else 500
         yield _event(error_body(status, str(e)))
     finally:
@@ -191,8 +200,14 @@ async def _sse(stream: RequestStream, reply: Reply, n: int, include_usage: bool)
     yield "data: [DONE]\n\n"
 
 
+# Characters that str.splitlines ends a line at and json.dumps leaves as they are (it escapes the
+# control characters below U+0020 itself): a client splitting the stream that way (httpx's
+# iter_lines) would cut a chunk's JSON in two.
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def _event(payload: dict) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+    return f"data: {json.dumps(payload, ensure_ascii=False).translate(_LINE_BREAKS)}\n\n"
 
 
 async def _unless_disconnected(raw: Request, work):
@@ -221,6 +236,16 @@ async def _disconnected(raw: Request) -> None:
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        content_type = request.headers.get("content-type", "")
+        media = content_type.split(";", 1)[0].strip().lower()
+        if media != "application/json" and not media.endswith("+json"):
+            # FastAPI did not read the body as JSON (vLLM refuses such a request too)
+            got = f"Content-Type: {content_type}" if content_type else "no Content-Type"
+            message = (
+                f"the request body must be sent as JSON, with the header 'Content-Type: "
+                f"application/json' (got {got})"
+            )
+            return error_response(400, message)
         param, message = describe_validation_error(list(exc.errors()))
         return error_response(400, message, param)
 
@@ -232,10 +257,9 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def dead(request: Request, exc: EngineDeadError) -> JSONResponse:
         return error_response(503, str(exc))
 
-    @app.exception_handler(Exception)
-    async def bug(request: Request, exc: Exception) -> JSONResponse:
-        # (RequestLostError, or a bug: still OpenAI's shape; uvicorn logs the traceback)
-        return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
+    @app.exception_handler(RequestLostError)
+    async def lost(request: Request, exc: RequestLostError) -> JSONResponse:
+        return error_response(500, str(exc))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -263,7 +287,8 @@ def describe_validation_error(errors: list[dict]) -> tuple[str | None, str]:
     if kind == "missing":
         return field, f"{field} is required"
     same = dict.fromkeys(e["msg"] for e in errors if _field_path(e) == loc)  # (ordered set)
-    return field, f"{field}: {' or '.join(same)} (got {err.get('input')!r:.80})"
+    what = field or "the request body"
+    return field, f"{what}: {' or '.join(same)} (got {err.get('input')!r:.80})"
 
 
 def _field_path(err: dict) -> list[str]:
@@ -277,27 +302,3 @@ def _field_path(err: dict) -> list[str]:
 
 
 _UNION_TAG = re.compile(r"^(str|int|float|bool|none|[A-Z]\w*|\w+\[.*\])$")
-
-
-class ApiKeyMiddleware:
-    """Refuse ``/v1/*`` without ``Authorization: Bearer <api_key>`` (401), as vLLM's
-    ``--api-key`` does; ``/health`` and ``/metrics`` stay open. A plain ASGI middleware: it
-    runs before the body is read, and never wraps a stream."""
-
-    def __init__(self, app, api_key: str) -> None:
-        self.app = app
-        self._digest = hashlib.sha256(api_key.encode()).digest()
-
-    def _ok(self, scope) -> bool:
-        headers = dict(scope.get("headers") or ())
-        scheme, _, token = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
-        given = hashlib.sha256(token.strip().encode()).digest()
-        return scheme.lower() == "bearer" and hmac.compare_digest(given, self._digest)
-
-    async def __call__(self, scope, receive, send) -> None:
-        guarded = scope["type"] == "http" and scope.get("method") != "OPTIONS"
-        if guarded and scope["path"].startswith("/v1") and not self._ok(scope):
-            message = "invalid or missing API key: send the header 'Authorization: Bearer <key>'"
-            await error_response(401, message)(scope, receive, send)
-            return
-        await self.app(scope, receive, send)

@@ -2,8 +2,9 @@
 
 An ``LLMEngine`` is not thread-safe (nothing in it locks), and it must not be: a step reads and
 writes the scheduler's queues, the block pool and every request. A server has many clients at
-once, so it does what vLLM does -- one loop, the engine core's *busy loop*, is the only code that
-touches the engine, and everything else sends it messages::
+once, so it does what vLLM does -- one loop, the engine core's *busy loop*
+(``EngineCoreProc.run_busy_loop`` in vLLM's ``v1/engine/core.py``), is the only code that touches
+the engine, and everything else sends it messages::
 
     HTTP handlers (asyncio, uvicorn's thread)            engine thread (EngineLoop._run)
     ───────────────────────────────────────             ──────────────────────────────────

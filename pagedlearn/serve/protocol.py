@@ -8,12 +8,18 @@ vLLM's extensions that pagedlearn's engine implements (``top_k``, ``ignore_eos``
 400 that names the field when:
 
 - a field is unknown (``extra="forbid"``): a typo never passes silently, and neither does a
-  field of OpenAI's that pagedlearn has no code for at all (``tools``' relatives, ``min_p``, ...);
+  field pagedlearn has no code for at all (OpenAI's ``tools``' relatives, vLLM's ``min_p``, ...);
 - a field pagedlearn does not implement has a value other than its neutral one (:data:`NEUTRAL`:
   ``presence_penalty`` 0, ``echo`` false, ``best_of`` equal to ``n``, ...): a client that sends
   the defaults works, one that asks for the feature learns it is missing;
-- a value has the wrong type (pydantic) or is out of range (``SamplingParams``' own checks);
-- the prompt plus ``max_tokens`` do not fit the model's context (vLLM's wording).
+- a value has the wrong type (pydantic) or is out of range (``SamplingParams``' own checks: a
+  ``seed`` in [0, 2**63 - 1], a finite ``temperature``, ...), or a text holds a lone surrogate
+  (JSON allows ``"\\ud800"``; no tokenizer can encode it);
+- ``cache_salt`` breaks vLLM's rule (:func:`check_cache_salt`);
+- the prompt alone, or the prompt plus ``max_tokens``, do not fit the served context
+  (:func:`resolve_max_tokens`): pagedlearn refuses the second with a 400 where vLLM 0.33 would
+  shorten ``max_tokens`` to what is left, with older vLLM's wording;
+- the request's samples could never be held by the block pool at once (:func:`check_pool`).
 
 Defaults are OpenAI's: ``temperature`` 1 (sampling: send 0 for greedy), ``top_p`` 1, ``n`` 1;
 ``max_tokens`` 16 for completions, and for chat (or an explicit ``null``) the rest of the context,
@@ -94,8 +100,7 @@ class _SamplingRequest(_Body):
                 "server (include_usage is: one usage chunk at the end)",
                 "stream_options",
             )
-        if self.cache_salt is not None and not self.cache_salt:
-            raise ProtocolError("cache_salt must be a non-empty string", "cache_salt")
+        check_cache_salt(self.cache_salt)
 
     def requested_max_tokens(self) -> tuple[int | None, str]:
         """The ``max_tokens`` asked for, and the name of the field that asked."""
@@ -153,7 +158,7 @@ class CompletionRequest(_SamplingRequest):
                     "prompt",
                 )
             p = p[0]
-        return p
+        return utf8_text(p, "prompt") if isinstance(p, str) else p
 
     def logprobs_k(self) -> int | None:
         return self.logprobs
@@ -198,6 +203,13 @@ class ChatCompletionRequest(_SamplingRequest):
 
     prompt_field: ClassVar[str] = "messages"
 
+    def chat_messages(self) -> list[dict]:
+        """The messages as ``{"role", "content"}`` dicts (content as text), for chat.py."""
+        return [
+            {"role": m.role, "content": utf8_text(m.text(), f"messages.{i}.content")}
+            for i, m in enumerate(self.messages)
+        ]
+
     def requested_max_tokens(self) -> tuple[int | None, str]:
         if self.max_completion_tokens is not None:
             return self.max_completion_tokens, "max_completion_tokens"
@@ -224,6 +236,42 @@ NEUTRAL = {
 }
 
 
+def utf8_text(text: str, field: str) -> str:
+    """``text``, if it can be written as UTF-8: a JSON string may escape a lone surrogate
+    (``"\\ud800"``), which Python keeps and no tokenizer can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ProtocolError(
+            f"{field} is not valid Unicode: it holds a lone surrogate ({text[e.start]!r}) at "
+            f"character {e.start}; a \\ud800-\\udfff escape in JSON must be one of a pair",
+            field,
+        ) from None
+    return text
+
+
+MAX_CACHE_SALT_LENGTH = 128  # vLLM's
+CACHE_SALT_FORBIDDEN = "@/\\\0"
+
+
+def check_cache_salt(salt: str | None) -> None:
+    """vLLM's rule (``validate_cache_salt``) and wording: None, or a non-empty str of at most
+    128 characters without '@', '/', '\\' or NUL. The salt goes into every block hash of the
+    request (prefix_cache.py), so a long one would be kept in the cache's keys."""
+    if salt is None:
+        return
+    if not salt:
+        raise ProtocolError(
+            "Parameter 'cache_salt' must be a non-empty string if provided.", "cache_salt"
+        )
+    if len(salt) > MAX_CACHE_SALT_LENGTH or any(c in CACHE_SALT_FORBIDDEN for c in salt):
+        raise ProtocolError(
+            "Parameter 'cache_salt' must be at most 128 characters and must "
+            "not contain '@', '/', '\\\\', or NUL.",
+            "cache_salt",
+        )
+
+
 def resolve_max_tokens(
     max_tokens: int | None,
     prompt_len: int,
@@ -231,18 +279,28 @@ def resolve_max_tokens(
     field: str = "max_tokens",
     prompt_field: str = "prompt",
 ) -> int:
-    """``max_tokens`` checked against the context (vLLM's rules and wording); None: the rest of
-    the context."""
+    """``max_tokens`` checked against the context ``max_model_len``; None: the rest of it.
+
+    The prompt alone first (vLLM's wording). Then the prompt plus ``max_tokens``: where vLLM 0.33
+    shortens ``max_tokens`` to what the context has left (``get_max_tokens`` in
+    ``entrypoints/serve/utils/api_utils.py``; it refuses only ``max_tokens`` beyond the whole
+    context), pagedlearn refuses with a 400 in older vLLM's wording, so that a client learns its
+    request was not what it asked for."""
     if max_tokens is not None and max_tokens < 1:
         raise ProtocolError(f"{field} must be at least 1, got {max_tokens}.", field)
+    if prompt_len >= max_model_len:
+        why = (
+            "which exceeds this limit even without any output tokens"
+            if prompt_len > max_model_len
+            else "which leaves no room for a completion"
+        )
+        raise ProtocolError(
+            f"This model's maximum context length is {max_model_len} tokens. However, your "
+            f"prompt contains {prompt_len} input tokens, {why}. Please reduce the length of "
+            "the input prompt.",
+            prompt_field,
+        )
     if max_tokens is None:
-        if prompt_len >= max_model_len:
-            raise ProtocolError(
-                f"This model's maximum context length is {max_model_len} tokens. However, your "
-                f"prompt contains {prompt_len} input tokens, which leaves no room for a "
-                "completion. Please reduce the length of the input prompt.",
-                prompt_field,
-            )
         return max_model_len - prompt_len
     if prompt_len + max_tokens > max_model_len:
         raise ProtocolError(
@@ -253,3 +311,28 @@ def resolve_max_tokens(
             field,
         )
     return max_tokens
+
+
+def check_pool(kv, prompt_len: int, params: SamplingParams, field: str = "max_tokens") -> None:
+    """Refuse a request whose ``n`` samples of ``prompt_len + max_tokens`` tokens could never
+    be held by the block pool of ``kv`` at once: it would be taken, then failed when it grew
+    (``Scheduler._fail``). The count is the scheduler's own for re-admitting samples
+    (readmission.py's ``readmission_blocks``): each sample's blocks, less the prompt's whole
+    blocks that its siblings share (forked, copy-on-write). ``kv_reservation="max"`` reserves
+    more (no sharing assumed), and admission refuses that itself. A model with sliding windows is
+    not checked here: its windows give blocks back as they slide, so the scheduler decides."""
+    if kv.has_sliding_window:
+        return
+    bs, pool, n = kv.block_size, kv.allocator.num_blocks, params.n
+    shared = kv.blocks_needed(prompt_len // bs * bs)
+    need = n * kv.blocks_needed(prompt_len + params.max_tokens) - (n - 1) * shared
+    if need > pool:
+        samples = f"{n} samples" if n > 1 else "one sample"
+        raise ProtocolError(
+            f"this request needs {need} blocks of {bs} tokens at once ({samples} of "
+            f"{prompt_len} prompt + {params.max_tokens} completion tokens"
+            + (f", sharing the prompt's {shared} whole blocks" if n > 1 and shared else "")
+            + f"), more than the whole pool of {pool} blocks: ask for fewer samples (n) or "
+            f"tokens ({field})",
+            "n" if n > 1 else field,
+        )

@@ -10,26 +10,34 @@ do, for ``kind`` "completion" (``/v1/completions``, ``object: "text_completion"`
                     reply.chunks(out)   per output: one chunk per choice with new text (a delta)
                     reply.usage_chunk(out)   with stream_options.include_usage: the last one
 
-A stream sends only what will not change: an output's text is decoded from all its tokens, and
-a running sample's tail may still change -- bytes of a character not complete yet decode to
-U+FFFD (held back until the character is whole), and the start of a stop string is held back by
-``CompletionOutput.text`` itself. So the deltas of a stream add up to the non-streaming text.
-Each chunk carries the tokens that are new since the last one -- one per step, as vLLM sends
-them, its text "" while that is held back; with a reader slower than the engine, several tokens
-at once (see engine_loop.py: outputs are cumulative).
+A stream sends only what will not change. Its text is decoded incrementally, as vLLM's
+detokenizer does (``detokenize_incrementally``, :func:`decode_incrementally`): each chunk
+decodes only the tokens since the last text it could send, with a few before them as context,
+not the whole output again (that would cost time quadratic in the output's length). A running
+sample's tail may still change: bytes of a character not complete yet decode to U+FFFD (held
+back until the character is whole), and the last ``len(longest stop string) - 1`` characters
+may start a stop string (held back, as ``CompletionOutput.text`` does). The finished output's
+text is decoded once, whole, and the stream sends the rest of it; so the deltas of a stream add
+up to the non-streaming text. Each chunk carries the tokens that are new since the last one --
+one per step, as vLLM sends them, its text "" while that is held back; with a reader slower
+than the engine, several tokens at once (see engine_loop.py: outputs are cumulative).
 
 Logprobs, when asked for, come in each endpoint's own shape: completions' ``{"tokens",
 "token_logprobs", "top_logprobs", "text_offset"}`` (the top dicts hold the k most likely and the
 sampled token) and chat's ``{"content": [{"token", "logprob", "bytes", "top_logprobs": [k
 entries]}]}``. Tokens are decoded one by one (vLLM does the same), so a token holding part of a
 UTF-8 character shows as U+FFFD; a log-probability of -inf is sent as -9999.0 (JSON has no
-infinity; vLLM's value).
+infinity; vLLM's value). Completions' ``top_logprobs`` is keyed by the decoded text, so where
+several tokens decode to the same text (every byte >= 0x80 of a byte tokenizer is U+FFFD) it
+shows the most likely of them.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from pagedlearn.engine.request import CompletionOutput, RequestOutput
 
@@ -53,10 +61,40 @@ def usage(out: RequestOutput) -> dict:
     }
 
 
-def stable_text(c: CompletionOutput) -> str:
-    """``c.text``, less a running sample's trailing U+FFFD (a character whose bytes are not all
-    there yet)."""
-    return c.text if c.finish_reason is not None else c.text.rstrip("\ufffd")
+def decode_incrementally(
+    decode: Callable[[list[int]], str], token_ids: list[int], prefix: int, read: int
+) -> tuple[str, int, int]:
+    """vLLM's incremental detokenization: the text that ``token_ids[read:]`` add, and the new
+    ``(prefix, read)`` offsets. ``token_ids[prefix:read]`` is context decoded with them (a
+    tokenizer may write a token differently at the start of a text: a leading space dropped, a
+    character begun before it), and the difference of the two decodings is the new text.
+    Nothing moves while that ends in U+FFFD (the next token may complete the character) or is
+    empty (special tokens)."""
+    prefix_text = decode(token_ids[prefix:read])
+    new_text = decode(token_ids[prefix:])
+    if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
+        return "", prefix, read
+    return new_text[len(prefix_text) :], read, len(token_ids)
+
+
+@dataclass
+class _Progress:
+    """What a stream sent of one choice, and its decoding state."""
+
+    chars: int = 0  # characters of text sent
+    tokens: int = 0  # tokens sent (their logprobs)
+    offset: int = 0  # completions' text_offset of the next token
+    held: str = ""  # text decoded, not sent yet (it may start a stop string)
+    prefix: int = 0  # decode_incrementally's offsets into the token ids
+    read: int = 0
+
+
+def held_back(c: CompletionOutput) -> int:
+    """Characters a running sample holds back: what may start a stop string
+    (``CompletionOutput.text``'s rule)."""
+    if not c.stop or c.include_stop_str_in_output:
+        return 0
+    return max(map(len, c.stop)) - 1
 
 
 class Reply:
@@ -66,8 +104,7 @@ class Reply:
     def __init__(self, kind: str, model: str, tokenizer, logprobs: int | None = None) -> None:
         self.kind, self.model, self.tokenizer, self.k = kind, model, tokenizer, logprobs
         self.id, self.created = new_id(kind), int(time.time())
-        # per choice index: [characters sent, tokens sent, text offset of the next token]
-        self._sent: dict[int, list[int]] = {}
+        self._sent: dict[int, _Progress] = {}  # per choice index
         self._done: set[int] = set()
 
     # --- non-streaming ------------------------------------------------------------------------
@@ -98,21 +135,39 @@ class Reply:
         for c in out.outputs:
             if c.index in self._done:
                 continue
-            chars, ntok, offset = self._sent.setdefault(c.index, [0, 0, 0])
-            text = stable_text(c)[chars:]
-            new_ids = c.token_ids[ntok:]
-            lp = None
-            if self.k is not None and new_ids:
-                lp = self._logprobs(new_ids, c.logprobs[ntok:] if c.logprobs else None, offset)
-                offset += sum(len(t) for t in lp["tokens"]) if self.kind != "chat" else 0
+            sent = self._sent.setdefault(c.index, _Progress())
+            new_ids = c.token_ids[sent.tokens :]
             if not new_ids and c.finish_reason is None:
                 continue  # nothing new (a chunk per new token, as vLLM: its text may be "")
-            self._sent[c.index] = [chars + len(text), len(c.token_ids), offset]
+            text = self._new_text(c, sent)
+            lp = None
+            if self.k is not None and new_ids:
+                lps = c.logprobs[sent.tokens :] if c.logprobs else None
+                lp = self._logprobs(new_ids, lps, sent.offset)
+                sent.offset += sum(len(t) for t in lp["tokens"]) if self.kind != "chat" else 0
+            sent.chars, sent.tokens = sent.chars + len(text), len(c.token_ids)
             if c.finish_reason is not None:
                 self._done.add(c.index)
             delta = {"content": text} if self.kind == "chat" else text
             chunks.append(self._chunk(c.index, delta, lp, c.finish_reason))
         return chunks
+
+    def _new_text(self, c: CompletionOutput, sent: _Progress) -> str:
+        """The text of ``c`` to send now: a finished sample's rest (its whole text decoded
+        once, cut at its stop string), else what the new tokens decode to, less the tail held
+        back."""
+        if c.finish_reason is not None:
+            return c.text[sent.chars :]
+        decode = c.detokenize or (lambda ids: "")
+        new, sent.prefix, sent.read = decode_incrementally(
+            decode, c.token_ids, sent.prefix, sent.read
+        )
+        sent.held += new
+        ready = len(sent.held) - held_back(c)
+        if ready <= 0:
+            return ""
+        text, sent.held = sent.held[:ready], sent.held[ready:]
+        return text
 
     def usage_chunk(self, out: RequestOutput) -> dict:
         return {**self._head(final=False), "choices": [], "usage": usage(out)}
@@ -147,7 +202,10 @@ class Reply:
             tokens.append(token)
             token_lps.append(_value(d[t].logprob) if t in d else None)
             ranked = sorted(d.items(), key=lambda kv: kv[1].rank)  # k most likely + sampled
-            tops.append({self._decode(i): _value(lp.logprob) for i, lp in ranked})
+            top: dict[str, float] = {}
+            for i, lp in ranked:  # keyed by text: the most likely of tokens that read the same
+                top.setdefault(self._decode(i), _value(lp.logprob))
+            tops.append(top)
             offsets.append(offset)
             offset += len(token)
         return {

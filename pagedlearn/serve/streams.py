@@ -4,10 +4,13 @@ The engine thread (engine_loop.py) produces outputs; an HTTP handler on uvicorn'
 reads them. Between the two threads sits this small mailbox, touched only on the event loop: the
 engine thread never calls it directly, it asks the loop to (``loop.call_soon_threadsafe``).
 
-It holds one output, not a queue of them. A ``RequestOutput`` is cumulative -- its token ids
-are all the tokens so far -- so the newest one says everything the older ones did: a reader
-slower than the engine reads several tokens at once (vLLM's output processor coalesces the same
-way), never loses one, and a reader that stops reading costs one output, not a growing queue.
+It holds one output, not a queue of them: vLLM's ``RequestOutputCollector``
+(``v1/engine/output_processor.py``) is this mailbox. A pagedlearn ``RequestOutput`` is
+cumulative -- its token ids are all the tokens so far -- so the newest one says everything the
+older ones did and simply replaces what was not read yet; vLLM's server asks for *delta* outputs
+(``RequestOutputKind.DELTA``: only the new tokens) and its collector merges those instead. Either
+way a reader slower than the engine reads several tokens at once, never loses one, and a reader
+that stops reading costs one output, not a growing queue.
 
 >>> import asyncio
 >>> async def demo():
