@@ -31,7 +31,7 @@ def is_greedy_decode(req: Request) -> bool:
     p = req.params
     return (
         type(p) is SamplingParams
-        and p.temperature == 0  # SamplingParams.greedy
+        and p.greedy
         and p.logprobs is None
         and len(req.seqs) == 1
         and not req.done
