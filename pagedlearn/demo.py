@@ -111,15 +111,10 @@ def check_options(block_size, num_blocks) -> None:
         )
 
 
-def check_for_model(
-    loaded, block_size: int, num_blocks: int, swap: bool, num_blocks_given: bool = True
-) -> None:
-    """What needs the model's config, checked before the pool is allocated: a block no longer than
-    the model's context (a longer one could never fill), and a pool (plus the CPU swap pool of the
-    same size, with ``swap``) of at most :data:`MAX_POOL_BYTES`. Raises :class:`OptionError`
-    naming ``num_blocks`` if the user chose it, else ``block_size`` (the default pool grew with
-    it)."""
-    from pagedlearn.models.runner import kv_cache_spec, max_model_len
+def check_block_size(loaded, block_size: int) -> None:
+    """A block no longer than the model's context (a longer one could never fill), else an
+    :class:`OptionError` naming ``block_size`` (the server checks its option the same way)."""
+    from pagedlearn.models.runner import max_model_len
 
     context = max_model_len(loaded.model)
     if block_size > context:
@@ -128,6 +123,19 @@ def check_for_model(
             f"block_size {block_size} is more than {loaded.name}'s context of {context} "
             "tokens: a block that long could never fill",
         )
+
+
+def check_for_model(
+    loaded, block_size: int, num_blocks: int, swap: bool, num_blocks_given: bool = True
+) -> None:
+    """What needs the model's config, checked before the pool is allocated: a block no longer than
+    the model's context (a longer one could never fill), and a pool (plus the CPU swap pool of the
+    same size, with ``swap``) of at most :data:`MAX_POOL_BYTES`. Raises :class:`OptionError`
+    naming ``num_blocks`` if the user chose it, else ``block_size`` (the default pool grew with
+    it)."""
+    from pagedlearn.models.runner import kv_cache_spec
+
+    check_block_size(loaded, block_size)
     spec = kv_cache_spec(loaded.model)
     per_token = spec.block_bytes(block_size) // block_size  # one group's layers, if several
     pools = 2 if swap else 1

@@ -164,21 +164,16 @@ def serve(
 def _load(model, llm_kwargs: dict):
     """``LLM(model, **llm_kwargs)``, the block size checked against the model's context first,
     before the pool is allocated (the demo's check, with its error)."""
-    from pagedlearn.demo import OptionError
+    from pagedlearn.demo import check_block_size
     from pagedlearn.engine.llm import LLM
     from pagedlearn.models import LoadedModel, load
-    from pagedlearn.models.runner import max_model_len
 
     kwargs = dict(llm_kwargs)
     if not isinstance(model, LoadedModel):
         model = load(model, kwargs.pop("tokenizer", None), kwargs.pop("dtype", None))
-    block_size, context = kwargs.get("block_size", 16), max_model_len(model.model)
-    if isinstance(block_size, int) and block_size > context:
-        raise OptionError(
-            "block_size",
-            f"block_size {block_size} is more than {model.name}'s context of {context} "
-            "tokens: a block that long could never fill",
-        )
+    block_size = kwargs.get("block_size", 16)
+    if isinstance(block_size, int):  # (anything else: LLM's own check says what is wrong)
+        check_block_size(model, block_size)
     return LLM(model, **kwargs)
 
 
