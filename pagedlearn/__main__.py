@@ -58,6 +58,36 @@ def int_in(low: int, high: int | None = None, why: str = ""):
     return parse
 
 
+def add_engine_options(parser: argparse.ArgumentParser, num_blocks_help: str) -> None:
+    """The engine's options that ``demo`` and ``serve`` share: the block size, the pool (its
+    help says each command's default), recompute or swap, the attention backend, prefix
+    caching."""
+    from pagedlearn import demo
+
+    parser.add_argument(
+        "--block-size",
+        type=int_in(1, demo.MAX_BLOCK_SIZE, "a block longer than the model's context never fills"),
+        default=16,
+        help="tokens per block (at most the model's context)",
+    )
+    parser.add_argument("--num-blocks", type=int_in(1), default=None, help=num_blocks_help)
+    parser.add_argument(
+        "--preemption-mode",
+        choices=("recompute", "swap"),
+        default="recompute",
+        help="when the pool runs out, a running request's blocks are freed and its tokens "
+        "recomputed later (recompute), or its blocks are copied to a CPU pool and back (swap)",
+    )
+    parser.add_argument(
+        "--backend",
+        choices=("auto", "torch", "triton", "reference"),
+        default="auto",
+        help="attention: auto = Triton on a GPU, torch (SDPA over the paged cache) on a CPU; "
+        "reference = the readable PyTorch references",
+    )
+    parser.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
+
+
 def writable_dir(path) -> str | None:
     """Create ``path`` (and its parents) if missing and check that a file can be written there;
     returns None when it can, else why not, in words."""
@@ -103,34 +133,12 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
         "windows), a path, or auto: gpt2 if cached, "
         "else tiny-gpt2",
     )
-    d.add_argument(
-        "--block-size",
-        type=int_in(1, demo.MAX_BLOCK_SIZE, "a block longer than the model's context never fills"),
-        default=16,
-        help="tokens per block (at most the model's context)",
+    add_engine_options(
+        d,
+        num_blocks_help="blocks in the pool (default: about half of what the batch needs, so that "
+        "some requests are preempted; the pool may take at most "
+        f"{demo.MAX_POOL_BYTES >> 30} GiB)",
     )
-    d.add_argument(
-        "--num-blocks",
-        type=int_in(1),
-        default=None,
-        help="blocks in the pool (default: about half of what the batch needs, so that some "
-        f"requests are preempted; the pool may take at most {demo.MAX_POOL_BYTES >> 30} GiB)",
-    )
-    d.add_argument(
-        "--preemption-mode",
-        choices=("recompute", "swap"),
-        default="recompute",
-        help="when the pool runs out, a running request's blocks are freed and its tokens "
-        "recomputed later (recompute), or its blocks are copied to a CPU pool and back (swap)",
-    )
-    d.add_argument(
-        "--backend",
-        choices=("auto", "torch", "triton", "reference"),
-        default="auto",
-        help="attention: auto = Triton on a GPU, torch (SDPA over the paged cache) on a CPU; "
-        "reference = the readable PyTorch references",
-    )
-    d.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
     b = command("blocks", "the memory manager alone, with made-up tokens")
     b.add_argument(
         "--num-blocks",

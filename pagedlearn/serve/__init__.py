@@ -220,8 +220,7 @@ def _url(host: str, port: int) -> str:
 def add_arguments(parser) -> None:
     """The ``serve`` command's options (``python -m pagedlearn serve --help``): the demo's own
     checks and words where the two share an option."""
-    from pagedlearn import demo
-    from pagedlearn.__main__ import int_in
+    from pagedlearn.__main__ import add_engine_options, int_in
 
     parser.add_argument(
         "--model", default="tiny-gpt2", help="tiny-gpt2 (offline), gpt2, facebook/opt-125m, a path"
@@ -239,28 +238,11 @@ def add_arguments(parser) -> None:
     parser.add_argument(
         "--served-model-name", default=None, help="the name clients send (default: --model's)"
     )
-    parser.add_argument(
-        "--block-size",
-        type=int_in(1, demo.MAX_BLOCK_SIZE, "a block longer than the model's context never fills"),
-        default=16,
-        help="tokens per block (at most the model's context)",
+    add_engine_options(
+        parser,
+        num_blocks_help="blocks in the pool (default: what LLM sizes from the memory budget); a "
+        "pool of fewer tokens than the model's context serves a context of what it holds",
     )
-    parser.add_argument(
-        "--num-blocks", type=int_in(1), default=None,
-        help="blocks in the pool (default: what LLM sizes from the memory budget); a pool of fewer "
-        "tokens than the model's context serves a context of what it holds",
-    )  # fmt: skip
-    parser.add_argument(
-        "--preemption-mode", choices=("recompute", "swap"), default="recompute",
-        help="when the pool runs out: free a request's blocks and recompute it later, or swap "
-        "its blocks to a CPU pool and back",
-    )  # fmt: skip
-    parser.add_argument(
-        "--backend", choices=("auto", "torch", "triton", "reference"), default="auto",
-        help="attention: auto = Triton on a GPU, torch (SDPA over the paged cache) on a CPU; "
-        "reference = the readable PyTorch references",
-    )  # fmt: skip
-    parser.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
     parser.add_argument(
         "--max-num-seqs", type=int_in(1), default=64, help="sequences one step may run"
     )
