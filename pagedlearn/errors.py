@@ -67,3 +67,11 @@ class ModelLoadError(PagedLearnError, OSError):
     """A model could not be loaded: not cached and no network, an unknown name, not a causal LM,
     a bad ``dtype``, ... Also an ``OSError``, as the errors of ``from_pretrained`` are.
     (``pagedlearn.models.ModelLoadError`` is this class.)"""
+
+
+class WorkerError(PagedLearnError, RuntimeError):
+    """A tensor-parallel worker (pagedlearn/parallel/) died, raised, or did not answer in time.
+
+    The workers' process group cannot be trusted after that, so every worker is stopped, the
+    requests in flight fail, and the engine refuses more work (``engine.broken``): build a new
+    ``LLM``. The message names the worker (rank and pid) and what happened to it."""

@@ -36,6 +36,7 @@ With one group (GPT-2, OPT) ``layers_per_block`` is the number of layers and not
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -113,6 +114,13 @@ class KVCacheSpec:
                 f"{self.layers_per_block} layers each"
             )
         return text
+
+    def split_heads(self, n: int) -> KVCacheSpec:
+        """One of ``n`` tensor-parallel workers' share: ``num_kv_heads / n`` heads of every
+        token (pagedlearn/parallel/); ``n`` must divide the KV heads."""
+        if n < 1 or self.num_kv_heads % n:
+            raise PagedLearnError(f"{n} workers cannot split {self.num_kv_heads} KV heads evenly")
+        return dataclasses.replace(self, num_kv_heads=self.num_kv_heads // n)
 
     def num_blocks_for(self, memory_bytes: int, block_size: int) -> int:
         """How many whole blocks fit in ``memory_bytes``."""

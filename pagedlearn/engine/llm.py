@@ -113,6 +113,7 @@ class LLM:
         kv_cache_manager=None,
         verbose: bool = True,
         model_version=None,
+        tensor_parallel_size: int = 1,
     ) -> None:
         from pagedlearn.models import LoadedModel, load
 
@@ -123,6 +124,8 @@ class LLM:
         )
         _check_positive("block_size", block_size)
         _check_positive("max_num_seqs", max_num_seqs)
+        _check_positive("tensor_parallel_size", tensor_parallel_size)
+        tp = tensor_parallel_size
         if kv_cache_manager is not None and not callable(kv_cache_manager):
             raise PagedLearnError(
                 "kv_cache_manager must be a KVCacheManager class (or a callable taking its "
@@ -136,17 +139,26 @@ class LLM:
         backend = _pick_backend(attention_backend, dev)
 
         loaded = model if isinstance(model, LoadedModel) else load(model, tokenizer, dtype)
-        hf_model = loaded.model.to(dev)
+        # With tensor parallelism the driver keeps the whole model on the CPU: each worker puts
+        # its own share on its device (pagedlearn/parallel/).
+        hf_model = loaded.model.to(dev) if tp == 1 else loaded.model
         spec = kv_cache_spec(hf_model)
         max_len = max_model_len(hf_model)
+        if tp > 1:
+            from pagedlearn.parallel import check_tensor_parallel
+
+            check_tensor_parallel(hf_model, tp)  # before a process starts
+        # The memory budget is per device, and each of the tp workers holds 1/tp of every
+        # block: the same budget holds tp times the blocks.
+        worker_spec = spec.split_heads(tp)
         if num_blocks is None:
             if kv_cache_memory is None:
                 kv_cache_memory = _default_budget(dev)
                 # Enough for max_num_seqs sequences of the model's full length, in every group.
                 cap = len(spec.groups) * -(-max_num_seqs * max_len // block_size)
-                num_blocks = min(spec.num_blocks_for(kv_cache_memory, block_size), cap)
+                num_blocks = min(worker_spec.num_blocks_for(kv_cache_memory, block_size), cap)
             else:
-                num_blocks = spec.num_blocks_for(kv_cache_memory, block_size)
+                num_blocks = worker_spec.num_blocks_for(kv_cache_memory, block_size)
         _check_positive("num_blocks", num_blocks, hint=f"{spec.formula()}; the budget holds none")
         if swap_blocks is None:
             swap_blocks = num_blocks if preemption_mode == "swap" else 0
@@ -186,8 +198,15 @@ class LLM:
                 model_id=loaded.name,
                 num_cpu_blocks=swap_blocks,
             )
-        cache = KVCache(spec, num_blocks, block_size, dev, swap_blocks)
-        runner = ModelRunner(hf_model, cache, backend)
+        if tp == 1:
+            cache = KVCache(spec, num_blocks, block_size, dev, swap_blocks)
+            runner = ModelRunner(hf_model, cache, backend)
+        else:  # tp worker processes, each with 1/tp of the model and of every block
+            from pagedlearn.parallel import start_workers
+
+            cache, runner = start_workers(
+                hf_model, tp, spec, num_blocks, block_size, swap_blocks, backend, dev
+            )
         self.engine = LLMEngine(
             hf_model,
             loaded.tokenizer,
@@ -204,6 +223,7 @@ class LLM:
         if model_version is not None:
             self.engine.model_version = model_version  # the manager's model_id: (name, version)
         self.model_name, self.device, self.attention_backend = loaded.name, dev, backend
+        self.tensor_parallel_size = tp
         self.offline_stand_in = loaded.offline_stand_in
         self._num_generated = 0  # request ids of generate(): "gen-0", "gen-1", ...
         if verbose:
@@ -214,6 +234,7 @@ class LLM:
                 f"({cache.nbytes / 2**20:.1f} MiB)"
                 + (f"; swap pool {swap_blocks} blocks" if swap_blocks else "")
                 + ("; max-length reservation" if kv_reservation == "max" else "")
+                + (_tp_line(cache, runner) if tp > 1 else "")
             )
 
     @property
@@ -256,6 +277,29 @@ class LLM:
                 f"beam_search needs BeamSearchParams, got {type(params).__name__}"
             )
         return self._run(prompts, params, use_tqdm, lora_request)
+
+    def collective_rpc(self, method, args: tuple = (), kwargs: dict | None = None) -> list:
+        """Run ``method`` on every worker and return the results, by rank (vLLM's name).
+        ``method``: a :class:`~pagedlearn.parallel.Worker` method's name ("describe",
+        "block_usage"), or a function called as ``method(worker, *args, **kwargs)`` (with
+        ``tensor_parallel_size > 1`` it must be importable by name: a module-level function,
+        since it is pickled to the worker processes). With one worker it runs here, on the
+        whole model and cache."""
+        kwargs = kwargs or {}
+        if self.tensor_parallel_size > 1:
+            return self.engine.runner.call("rpc", (method, tuple(args), kwargs))
+        from pagedlearn.parallel.worker import Worker
+
+        engine = self.engine
+        worker = Worker(0, 1, engine.model, engine.kv_cache, engine.runner)
+        return [worker.handle("rpc", (method, tuple(args), kwargs))]
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers now (idempotent; garbage collection and interpreter
+        exit do it too). With one worker there is nothing to stop. Afterwards the engine
+        refuses to step."""
+        if self.tensor_parallel_size > 1:
+            self.engine.runner.shutdown()
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix (vLLM's name; see ``LLMEngine.reset_prefix_cache``):
@@ -305,6 +349,15 @@ class LLM:
                     engine.abort_request(rid)
             raise
         return [results[rid] for rid in ids]
+
+
+def _tp_line(cache, executor) -> str:
+    each = cache.worker_nbytes / 2**20
+    return (
+        f"\n  tensor parallel: {executor.size} workers (pids {executor.pids}), each holding "
+        f"{cache.worker_spec.num_kv_heads} of {cache.spec.num_kv_heads} KV heads of every block "
+        f"({each:.1f} MiB each)"
+    )
 
 
 def _as_prompt_list(prompts) -> list:

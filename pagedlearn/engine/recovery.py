@@ -48,7 +48,9 @@ Requests that finished in a step that then raised have their outputs handed out 
 block-manager operation can do that, e.g. a monkeypatched allocator, or a ``KeyboardInterrupt``
 a trace subscriber raises itself (a subscriber's ``Exception`` is held back by the trace until
 the step's end: trace.py) -- the pool cannot be trusted: every request is failed with the
-reason and the engine refuses new work (``broken``).
+reason and the engine refuses new work (``broken``). So does a tensor-parallel engine whose
+workers are gone (one died, raised or hung: pagedlearn/parallel/executor.py): the KV of every
+request lived in them.
 
 The exception itself always reaches the caller unchanged (with a note saying what recovery did).
 """
@@ -263,6 +265,10 @@ def _roll_back(engine, journal: StepJournal, exc: BaseException) -> Recovery:
             f"the block pool was left inconsistent by {exc!r} raised inside a block-manager "
             f"operation during {journal.phase} ({e}); build a new LLM"
         )
+    # Tensor parallelism: a worker that died or failed took the KV of every request with it.
+    if not engine.broken and (dead := getattr(engine.runner, "dead", None)):
+        engine.broken = f"the tensor-parallel workers are stopped: {dead}"
+    if engine.broken:
         for req in list(engine.requests.values()):
             q._dequeue(req)
             req.error = f"request {req.request_id!r} failed: {engine.broken}"

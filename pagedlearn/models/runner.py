@@ -106,6 +106,47 @@ class SequenceInput:
     block_tables: Sequence[Sequence[int]]
 
 
+@dataclass
+class StepInputs:
+    """The packed step in plain ints (the picture at the top of this file), built once from the
+    scheduled sequences by :func:`prepare_inputs`. It is what a tensor-parallel driver sends
+    every worker (pagedlearn/parallel/): the same ints, so every worker's KV write and
+    attention touch the same block ids (paper section 4.6)."""
+
+    input_ids: list[int]  # (T,)
+    positions: list[int]  # (T,)
+    context_lens: list[int]  # (S,) tokens in the cache after this step
+    cu_seqlens_q: list[int]  # (S + 1,)
+    slot_mappings: list[list[int]]  # per group: (T,)
+    block_tables: list[list[int]]  # per group: (S * width,) flat, rows padded with -1
+    widths: list[int]  # per group: the padded row width
+    max_query_len: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.context_lens)
+
+
+def prepare_inputs(seqs: Sequence[SequenceInput], num_groups: int) -> StepInputs:
+    """Lay the scheduled sequences out as one packed row (see the module docstring)."""
+    ids, positions, lens, cu = [], [], [], [0]
+    slots: list[list[int]] = [[] for _ in range(num_groups)]  # per group: (T,)
+    tables: list[list[int]] = [[] for _ in range(num_groups)]  # per group: (S, width), flat
+    widths = [max(len(s.block_tables[g]) for s in seqs) for g in range(num_groups)]
+    for s in seqs:
+        n = len(s.new_tokens)
+        ids.extend(s.new_tokens)
+        positions.extend(range(s.start_pos, s.start_pos + n))
+        lens.append(s.start_pos + n)
+        cu.append(cu[-1] + n)
+        for g in range(num_groups):
+            slots[g].extend(s.slots[g])
+            tables[g].extend(s.block_tables[g])  # then pad the row with -1 to the width
+            tables[g].extend([-1] * (widths[g] - len(s.block_tables[g])))
+    max_query = max(len(s.new_tokens) for s in seqs)
+    return StepInputs(ids, positions, lens, cu, slots, tables, widths, max_query)
+
+
 class ModelRunner:
     """Runs a Hugging Face causal LM over a paged KV cache, one packed batch per call."""
 
@@ -117,43 +158,31 @@ class ModelRunner:
         self.model, self.kv_cache, self.backend = model, kv_cache, backend
         self.device = kv_cache.device
 
-    @torch.inference_mode()
     def execute(self, seqs: Sequence[SequenceInput]) -> torch.Tensor:
         """One forward pass over all new tokens; returns logits ``(S, vocab)`` in float32, one row
         per sequence: the prediction after its last new token."""
-        num_groups = len(self.kv_cache.groups)
-        ids, positions, lens, cu = [], [], [], [0]
-        slots: list[list[int]] = [[] for _ in range(num_groups)]  # per group: (T,)
-        tables: list[list[int]] = [[] for _ in range(num_groups)]  # per group: (S, width), flat
-        widths = [max(len(s.block_tables[g]) for s in seqs) for g in range(num_groups)]
-        for s in seqs:
-            n = len(s.new_tokens)
-            ids.extend(s.new_tokens)
-            positions.extend(range(s.start_pos, s.start_pos + n))
-            lens.append(s.start_pos + n)
-            cu.append(cu[-1] + n)
-            for g in range(num_groups):
-                slots[g].extend(s.slots[g])
-                tables[g].extend(s.block_tables[g])  # then pad the row with -1 to the width
-                tables[g].extend([-1] * (widths[g] - len(s.block_tables[g])))
+        return self.run(prepare_inputs(seqs, len(self.kv_cache.groups)))
 
-        dev, num_seqs = self.device, len(seqs)
+    @torch.inference_mode()
+    def run(self, x: StepInputs) -> torch.Tensor:
+        """:meth:`execute` for inputs already laid out (what a tensor-parallel worker gets)."""
+        dev, num_seqs = self.device, x.num_seqs
         meta = PagedAttentionMetadata(
             kv_cache=self.kv_cache,
-            slot_mappings=[_ints(x, torch.int64, dev) for x in slots],
+            slot_mappings=[_ints(s, torch.int64, dev) for s in x.slot_mappings],
             block_tables=[
                 _ints(t, torch.int32, dev).view(num_seqs, w)
-                for t, w in zip(tables, widths, strict=True)
+                for t, w in zip(x.block_tables, x.widths, strict=True)
             ],
-            context_lens=_ints(lens, torch.int32, dev),
-            cu_seqlens_q=_ints(cu, torch.int32, dev),
-            max_query_len=max(len(s.new_tokens) for s in seqs),
+            context_lens=_ints(x.context_lens, torch.int32, dev),
+            cu_seqlens_q=_ints(x.cu_seqlens_q, torch.int32, dev),
+            max_query_len=x.max_query_len,
             backend=self.backend,
         )
-        last = _ints([c - 1 for c in cu[1:]], torch.int64, dev)  # (S,) each sequence's last row
+        last = _ints([c - 1 for c in x.cu_seqlens_q[1:]], torch.int64, dev)  # (S,) last rows
         out = self.model(
-            input_ids=_ints(ids, torch.int64, dev)[None],  # (1, T)
-            position_ids=_ints(positions, torch.int64, dev)[None],
+            input_ids=_ints(x.input_ids, torch.int64, dev)[None],  # (1, T)
+            position_ids=_ints(x.positions, torch.int64, dev)[None],
             use_cache=False,  # the paged cache is ours; no transformers Cache object
             logits_to_keep=last,
             paged_metadata=meta,

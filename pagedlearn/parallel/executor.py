@@ -1,0 +1,236 @@
+"""The driver's side of tensor parallelism: start N workers, send each step, gather the answer.
+
+::
+
+    driver process (LLM, LLMEngine)                   worker processes (worker.py)
+    Scheduler + KVCacheManager: ONE block table
+      │ prepare_inputs(scheduled) -> StepInputs        rank 0: heads 0 .. H/N-1    ┐ all-reduce
+      ├──── the same pickled bytes to every worker ──> rank 1: heads H/N .. 2H/N-1 ┤ twice per
+      │     (token ids, positions, slots, tables)      ...                         ┘ layer
+      <──── logits (S, vocab) from rank 0 ──────────── every rank computes the same logits
+      sample, append, fork, free: on the driver only
+
+This is the paper's section 4.6 (and vLLM's ``MultiprocExecutor``): the scheduler and the block
+manager live once, in the driver; a step's input is the only thing the workers need, because
+every worker stores *its* heads of every token at the *same* block id. The block pool needs no
+synchronisation between workers: no worker ever allocates.
+
+:class:`TensorParallelExecutor` stands where the single-process ``ModelRunner`` stands (the
+engine calls ``execute(scheduled)``), and :class:`ShardedKVCache` where ``KVCache`` stands
+(swap-outs, swap-ins and copy-on-write copies go to every worker, in the order the engine
+makes them, each applied everywhere before the engine goes on).
+
+Transport: the step goes to the workers through one ``multiprocessing`` pipe each (pickled
+once, sent N times), as vLLM's V1 executor sends its ``SchedulerOutput`` through a message
+queue; the tensors the workers exchange mid-forward go through ``torch.distributed``. The
+workers start once, with the ``spawn`` method (a fresh interpreter: safe with CUDA and with
+threads; a script must then build its ``LLM`` under ``if __name__ == "__main__":``).
+
+What can go wrong, and what then: a worker that dies (its process sentinel fires), raises, or
+does not answer within ``step_timeout`` seconds raises :class:`~pagedlearn.errors.WorkerError`
+naming it; every worker is then stopped and the engine refuses more work. ``shutdown()``,
+garbage collection and interpreter exit stop the workers (``weakref.finalize``); a worker
+whose driver dies exits when its pipe closes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import signal
+import tempfile
+import time
+import weakref
+from multiprocessing.connection import wait
+
+import torch
+
+from pagedlearn.errors import PagedLearnError, WorkerError
+from pagedlearn.kv_cache import KVCacheSpec
+from pagedlearn.models.runner import SequenceInput, prepare_inputs
+from pagedlearn.parallel.worker import WorkerConfig, worker_main
+
+
+class TensorParallelExecutor:
+    """N worker processes holding 1/N of ``model`` each; :meth:`execute` runs one step on all.
+
+    ``model``: the whole model, on the CPU (each worker gets a copy and keeps its share).
+    ``device``: "cpu" (gloo), or "cuda" (NCCL; worker ``r`` on ``cuda:r``)."""
+
+    start_timeout = 300.0  # seconds for a worker to import torch, get the model, shard it
+    step_timeout = 300.0  # seconds for a step (or a copy, or an rpc) on every worker
+
+    def __init__(
+        self,
+        model,
+        size: int,
+        spec: KVCacheSpec,
+        *,
+        num_blocks: int,
+        block_size: int,
+        swap_blocks: int,
+        backend: str,
+        device: str = "cpu",
+    ) -> None:
+        from pagedlearn.parallel.sharding import check_tensor_parallel
+
+        check_tensor_parallel(model, size)
+        dev = torch.device(device)
+        if dev.type == "cuda" and torch.cuda.device_count() < size:
+            raise PagedLearnError(
+                f"tensor_parallel_size={size} on CUDA needs {size} GPUs (one per worker), "
+                f"this machine has {torch.cuda.device_count()}; use device='cpu' or fewer workers"
+            )
+        self.size, self.spec, self.backend = size, spec, backend
+        self.num_groups = len(spec.groups)
+        self.dead: str | None = None  # why the workers cannot be used any more
+        self.last_timings: dict = {}  # the last message's: send, received (per rank), busy
+        self._outstanding: set[int] = set()  # ranks whose answer a Ctrl-C left unread
+        fd, rendezvous = tempfile.mkstemp(prefix="pagedlearn-tp-")
+        os.close(fd)
+        os.unlink(rendezvous)  # init_process_group's FileStore wants a path that is not there
+        ctx = torch.multiprocessing.get_context("spawn")
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        self.procs, self.conns = [], []
+        for rank in range(size):
+            cfg = WorkerConfig(
+                rank, size, f"file://{rendezvous}", f"cuda:{rank}" if dev.type == "cuda" else "cpu",
+                num_blocks, block_size, swap_blocks, backend, self.step_timeout,
+                max(1, (cores or 1) // size),
+            )  # fmt: skip
+            mine, theirs = ctx.Pipe()
+            proc = ctx.Process(target=worker_main, args=(cfg, theirs), daemon=True,
+                               name=f"pagedlearn-tp-worker-{rank}")  # fmt: skip
+            proc.start()
+            theirs.close()  # the worker's end lives in the worker: EOF here means it is gone
+            self.procs.append(proc)
+            self.conns.append(mine)
+        self._finalizer = weakref.finalize(self, _stop_workers, self.procs, self.conns, rendezvous)
+        try:
+            payload = pickle.dumps(model, protocol=pickle.HIGHEST_PROTOCOL)
+            for conn in self.conns:
+                conn.send_bytes(payload)
+            self._outstanding = set(range(size))
+            self.workers = self._collect("start", self.start_timeout)  # each one's describe()
+        except BaseException:
+            self.shutdown()
+            raise
+        self.pids = [p.pid for p in self.procs]
+
+    # --- what the engine calls ------------------------------------------------------------------
+    def execute(self, seqs: list[SequenceInput]) -> torch.Tensor:
+        """One forward pass on every worker; returns rank 0's logits ``(S, vocab)``."""
+        return torch.from_numpy(self.call("step", prepare_inputs(seqs, self.num_groups))[0])
+
+    def call(self, kind: str, payload=None) -> list:
+        """Send one message to every worker (pickled once) and return their answers, by rank.
+        Raises :class:`WorkerError` (and stops every worker) if any dies, fails or is late."""
+        if self.dead:
+            raise WorkerError(f"the tensor-parallel workers are stopped: {self.dead}")
+        if self._outstanding:  # a Ctrl-C interrupted the last wait: its answers come first
+            self._collect("the interrupted message", self.step_timeout)
+        t0 = time.monotonic()
+        message = pickle.dumps((kind, payload, t0), protocol=pickle.HIGHEST_PROTOCOL)
+        try:
+            for conn in self.conns:
+                conn.send_bytes(message)
+        except OSError:  # a closed pipe: the worker is gone (its sentinel says how)
+            pass
+        self._outstanding = set(range(self.size))
+        t1 = time.monotonic()
+        results = self._collect(kind, self.step_timeout)
+        self.last_timings["send"] = t1 - t0  # pickling once + writing N pipes
+        return results
+
+    # --- waiting for answers --------------------------------------------------------------------
+    def _collect(self, what: str, timeout: float) -> list:
+        results: list = [None] * self.size
+        received, busy, errors = {}, {}, []
+        deadline = time.monotonic() + timeout
+        while self._outstanding:
+            waiting = {self.conns[r]: r for r in self._outstanding}
+            sentinels = {p.sentinel: r for r, p in enumerate(self.procs)}
+            ready = wait([*waiting, *sentinels], timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                ranks = sorted(self._outstanding)
+                self._fail(f"worker(s) {ranks} did not answer {what!r} within {timeout:.0f} s")
+            for obj in ready:
+                if obj in waiting:
+                    rank = waiting[obj]
+                    try:
+                        answer = pickle.loads(obj.recv_bytes())
+                    except (EOFError, OSError):
+                        continue  # its sentinel tells how it ended, on this pass or the next
+                    self._outstanding.discard(rank)
+                    if answer[0] == "error":
+                        errors.append((rank, answer[1]))
+                        continue
+                    results[rank] = answer[1]
+                    received[rank] = answer[2].get("received")
+                    busy[rank] = answer[2].get("busy")
+            for obj in ready:
+                if obj in sentinels and self._outstanding:  # exited with an answer still due
+                    rank = sentinels[obj]
+                    self.procs[rank].join(1.0)
+                    self._fail(f"{self._name(rank)} died {_how(self.procs[rank].exitcode)} "
+                               f"while working on {what!r}")  # fmt: skip
+        self.last_timings = {"received": received, "busy": busy}
+        if errors:
+            rank, text = errors[0]
+            if what == "rpc":  # the user's function raised; the workers are fine
+                raise PagedLearnError(f"collective_rpc failed on {self._name(rank)}:\n{text}")
+            self._fail(f"{self._name(rank)} raised while working on {what!r}:\n{text}")
+        return results
+
+    def _name(self, rank: int) -> str:
+        return f"tensor-parallel worker {rank} (pid {self.procs[rank].pid})"
+
+    def _fail(self, why: str):
+        self.dead = why
+        self._outstanding = set()
+        self.shutdown()
+        raise WorkerError(why + "; every worker is stopped: build a new LLM")
+
+    # --- the end --------------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Stop every worker (idempotent); afterwards :meth:`call` raises."""
+        self.dead = self.dead or "shut down"
+        self._finalizer()
+
+    @property
+    def alive(self) -> bool:
+        return self._finalizer.alive
+
+
+def _how(exitcode: int | None) -> str:
+    if exitcode is None:
+        return "(still running, not answering)"
+    if exitcode < 0:
+        return f"(killed by {signal.Signals(-exitcode).name})"
+    return f"(exit code {exitcode}; if this is a script, build the LLM under " \
+           "`if __name__ == '__main__':` -- spawned workers import the main module)"  # fmt: skip
+
+
+def _stop_workers(procs, conns, rendezvous: str, grace: float = 5.0) -> None:
+    """Ask every worker to stop, wait ``grace`` seconds, then terminate and kill what is left.
+    Module-level, holding no reference to the executor, so that ``weakref.finalize`` can run
+    it at garbage collection and at interpreter exit."""
+    message = pickle.dumps(("stop", None, time.monotonic()))
+    for conn in conns:
+        with contextlib.suppress(OSError):  # a worker already gone
+            conn.send_bytes(message)
+    deadline = time.monotonic() + grace
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+            p.join(1.0)
+        if p.is_alive():
+            p.kill()
+            p.join(1.0)
+    for conn in conns:
+        conn.close()
+    if os.path.exists(rendezvous):
+        os.unlink(rendezvous)

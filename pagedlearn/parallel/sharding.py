@@ -1,0 +1,150 @@
+"""Splitting a model's layers across workers: Megatron-LM's tensor parallelism, PyTorch's API.
+
+A transformer layer is two matrix multiplications in a row, twice (attention, then the MLP). The
+paper (section 4.6) runs a model that does not fit one GPU as Megatron-LM does (Shoeybi et al.,
+2019): the first matrix of each pair is split by its *output columns*, the second by its *input
+rows*::
+
+    x (T, hidden) ──> q/k/v or fc1: column-parallel ──> worker r holds heads r*H/N .. (r+1)*H/N - 1
+        (every worker has all of x)      W[:, cols of r]     (T, hidden/N): its heads only
+                                                              │  attention: per head, so local
+                                                              v
+    out (T, hidden) <── all-reduce (sum) <── out_proj or fc2: row-parallel, W[rows of r, :]
+                                              each worker's partial sum (T, hidden)
+
+Attention is computed per head, so a worker that holds heads ``r*H/N ..`` needs only *their*
+keys and values: its KV cache holds ``num_kv_heads / N`` heads, at the same block ids as every
+other worker's. Two all-reduces per layer (one after attention, one after the MLP) are the only
+talk between workers; embeddings, layer norms and the LM head are replicated (vLLM also splits
+the vocabulary; for GPT-2 and OPT it is a small part of the weights).
+
+How: PyTorch's own tensor-parallel API. :func:`tensor_parallel_plan` names, per model type, which
+modules are ``ColwiseParallel`` and which ``RowwiseParallel`` (the same words as transformers'
+``base_model_tp_plan`` and vLLM's ``ColumnParallelLinear`` / ``RowParallelLinear``), and
+:func:`shard_model` hands that plan to ``torch.distributed.tensor.parallel.parallelize_module``,
+which slices the weights into DTensors and inserts the all-reduce. transformers ships no such
+plan for GPT-2 or OPT, so the plans live here. Two things the API cannot do are done first:
+
+- GPT-2's projections are ``Conv1D`` modules (an ``nn.Linear`` with the weight transposed), which
+  ``parallelize_module`` does not shard: they become ``nn.Linear``.
+- GPT-2 computes q, k and v with one fused matrix whose output is ``[q | k | v]``. Cutting it into
+  N contiguous pieces would give worker 0 all of q and half of k; its output columns are
+  reordered to ``[q_0 k_0 v_0 | q_1 k_1 v_1 | ...]`` first, so each piece is one worker's heads.
+
+Last, each attention module is told how many heads it now has (OPT reshapes with
+``self.num_heads``; GPT-2 splits its fused output with ``self.split_size``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedlearn.errors import PagedLearnError
+
+SUPPORTED_MODEL_TYPES = ("gpt2", "opt")
+
+
+def _layers(model):
+    """The model's decoder layers and their plan-key prefix."""
+    kind = model.config.model_type
+    if kind == "gpt2":
+        return model.transformer.h, "transformer.h.*."
+    if kind == "opt":
+        return model.model.decoder.layers, "model.decoder.layers.*."
+    raise PagedLearnError(
+        f"tensor parallelism supports the model types {SUPPORTED_MODEL_TYPES}; "
+        f"{model.config.model_type!r} has no sharding plan here (pagedlearn/parallel/sharding.py)"
+    )
+
+
+def split_sizes(model) -> dict[str, int]:
+    """What must divide by the number of workers: attention heads, KV heads, MLP width."""
+    c = model.config
+    _layers(model)  # refuses a model type with no plan
+    if c.model_type == "gpt2":
+        heads, inner = c.n_head, c.n_inner or 4 * c.n_embd
+        return {"attention heads": heads, "KV heads": heads, "MLP width": inner}
+    heads = c.num_attention_heads
+    return {"attention heads": heads, "KV heads": heads, "MLP width": c.ffn_dim}
+
+
+def check_tensor_parallel(model, size: int) -> None:
+    """Refuse (:class:`PagedLearnError`) a worker count that does not split ``model`` evenly."""
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        raise PagedLearnError(f"tensor_parallel_size must be a positive int, got {size!r}")
+    for what, n in split_sizes(model).items():
+        if n % size:
+            fits = [d for d in range(1, n + 1) if n % d == 0][:8]
+            raise PagedLearnError(
+                f"tensor_parallel_size={size} must divide the model's {what} ({n}): each "
+                f"worker holds an equal share; try one of {fits}"
+            )
+
+
+def tensor_parallel_plan(model) -> dict:
+    """Module name pattern -> ``ColwiseParallel()`` / ``RowwiseParallel()``, for
+    ``parallelize_module``. GPT-2's modules must be :func:`prepare` d first."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    _, p = _layers(model)
+    if model.config.model_type == "gpt2":
+        names = {"attn.c_attn": "col", "attn.c_proj": "row", "mlp.c_fc": "col", "mlp.c_proj": "row"}
+    else:
+        names = {"self_attn.q_proj": "col", "self_attn.k_proj": "col", "self_attn.v_proj": "col",
+                 "self_attn.out_proj": "row", "fc1": "col", "fc2": "row"}  # fmt: skip
+    return {p + n: ColwiseParallel() if k == "col" else RowwiseParallel() for n, k in names.items()}
+
+
+def _linear(conv, rows: torch.Tensor | None = None) -> torch.nn.Linear:
+    """A transformers ``Conv1D`` (weight ``(in, out)``) as an ``nn.Linear`` (weight ``(out, in)``),
+    its output features reordered by ``rows`` if given."""
+    weight, bias = conv.weight.detach().t(), conv.bias.detach()  # (out, in), (out,)
+    if rows is not None:
+        weight, bias = weight[rows], bias[rows]
+    out = torch.nn.Linear(*weight.shape[::-1], device=weight.device, dtype=weight.dtype)
+    with torch.no_grad():
+        out.weight.copy_(weight)
+        out.bias.copy_(bias)
+    return out.requires_grad_(False)
+
+
+def prepare(model, size: int) -> None:
+    """Make ``model``'s layers shardable by ``parallelize_module`` for ``size`` workers, in place
+    (GPT-2: ``Conv1D`` -> ``nn.Linear``, fused q/k/v reordered per worker; OPT: nothing)."""
+    layers, _ = _layers(model)
+    if model.config.model_type != "gpt2":
+        return
+    hidden = model.config.n_embd
+    per = hidden // size  # one worker's share of q (and of k, and of v)
+    # Output rows of c_attn are [q | k | v], each `hidden` wide; worker r's piece must be
+    # [q_r | k_r | v_r], so list, for r = 0..size-1 and part = q, k, v, its rows in order.
+    rows = torch.cat(
+        [
+            torch.arange(part * hidden + r * per, part * hidden + (r + 1) * per)
+            for r in range(size)
+            for part in range(3)
+        ]
+    )
+    for block in layers:
+        block.attn.c_attn = _linear(block.attn.c_attn, rows)
+        block.attn.c_proj = _linear(block.attn.c_proj)
+        block.mlp.c_fc = _linear(block.mlp.c_fc)
+        block.mlp.c_proj = _linear(block.mlp.c_proj)
+
+
+def shard_model(model, mesh) -> None:
+    """Keep this worker's share of every layer of ``model``, in place: :func:`prepare`, then
+    ``parallelize_module`` with :func:`tensor_parallel_plan` over ``mesh`` (a 1-D
+    ``DeviceMesh`` of the workers), then tell each attention module its local head count."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    size = mesh.size()
+    check_tensor_parallel(model, size)
+    prepare(model, size)
+    parallelize_module(model, mesh, tensor_parallel_plan(model))
+    layers, _ = _layers(model)
+    for block in layers:
+        attn = block.attn if model.config.model_type == "gpt2" else block.self_attn
+        attn.num_heads //= size  # OPT reshapes q, k, v with it
+        if model.config.model_type == "gpt2":
+            attn.split_size //= size  # GPT-2 splits its [q_r | k_r | v_r] output with it
