@@ -285,14 +285,9 @@ class LLM:
         ``tensor_parallel_size > 1`` it must be importable by name: a module-level function,
         since it is pickled to the worker processes). With one worker it runs here, on the
         whole model and cache."""
-        kwargs = kwargs or {}
-        if self.tensor_parallel_size > 1:
-            return self.engine.runner.call("rpc", (method, tuple(args), kwargs))
-        from pagedlearn.parallel.worker import Worker
+        from pagedlearn.parallel import collective_rpc
 
-        engine = self.engine
-        worker = Worker(0, 1, engine.model, engine.kv_cache, engine.runner)
-        return [worker.handle("rpc", (method, tuple(args), kwargs))]
+        return collective_rpc(self.engine, method, args, kwargs)
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers now (idempotent; garbage collection and interpreter

@@ -27,6 +27,7 @@ __all__ = [
     "TensorParallelExecutor",
     "Worker",
     "check_tensor_parallel",
+    "collective_rpc",
     "shard_model",
     "start_workers",
     "tensor_parallel_plan",
@@ -44,3 +45,12 @@ def start_workers(model, size, spec, num_blocks, block_size, swap_blocks, backen
         executor, spec, spec.split_heads(size), num_blocks, block_size, device, swap_blocks
     )
     return cache, executor
+
+
+def collective_rpc(engine, method, args: tuple = (), kwargs: dict | None = None) -> list:
+    """Run ``method`` on every worker of ``engine`` (see ``LLM.collective_rpc``); results by
+    rank. An engine without workers is one in-process worker: the whole model and cache."""
+    message = (method, tuple(args), dict(kwargs or {}))
+    if isinstance(engine.runner, TensorParallelExecutor):
+        return engine.runner.call("rpc", message)
+    return [Worker(0, 1, engine.model, engine.kv_cache, engine.runner).handle("rpc", message)]

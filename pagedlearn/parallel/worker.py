@@ -89,6 +89,26 @@ class Worker:
         k = self.kv_cache.key_cache(layer)  # (num_blocks, block_size, kv_heads, head_dim)
         return k.abs().float().mean(dim=(1, 3)).cpu()
 
+    def time_all_reduce(self, num_tokens: int, iters: int = 20) -> float:
+        """Seconds one all-reduce of a ``(num_tokens, hidden)`` activation takes among the
+        workers (the median of ``iters``): what each layer pays twice. 0.0 with one worker."""
+        if self.world_size == 1:
+            return 0.0
+        import torch.distributed as dist
+
+        hidden = self.model.config.hidden_size
+        cache = self.kv_cache
+        x = torch.ones(num_tokens, hidden, dtype=cache.spec.dtype, device=cache.device)
+        dist.barrier()  # start together, or the first one measures the others' lateness
+        times = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            dist.all_reduce(x)
+            if x.is_cuda:
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        return sorted(times)[len(times) // 2]
+
     def handle(self, kind: str, payload):
         if kind == "step":
             logits = self.runner.run(payload)  # (S, vocab) float32, the same on every rank
