@@ -1,7 +1,7 @@
 """Tensor parallelism: N worker processes, one scheduler, one block table (paper section 4.6).
 
 ``LLM(model, tensor_parallel_size=N)`` (vLLM's name) starts N workers. Each holds 1/N of every
-layer's attention heads and MLP columns (sharding.py, with PyTorch's ``parallelize_module``) and
+layer's attention heads and MLP columns (sharding.py, with transformers' tensor-parallel styles) and
 its own KV slab with 1/N of every token's heads, at the same block ids as the others
 (worker.py). The driver keeps the one ``Scheduler`` and ``KVCacheManager`` and sends every worker
 the same step (executor.py); copy-on-write and swaps go to every worker by block id
