@@ -25,7 +25,7 @@ demo: $(STAMP)  ## the main job: a model serving a mixed batch from a small page
 
 # pytest-xdist runs the suite on every core (`-n auto`; one worker per core, one torch thread per
 # worker: see tests/conftest.py). Add PYTEST_FLAGS="-n 0" to run it in one process.
-PYTEST_FLAGS ?= -n auto
+PYTEST_FLAGS ?= -n auto --dist loadgroup
 test: lint  ## the whole suite, as CI runs it (.ci/run calls this)
 	$(BIN)/python -m pytest $(PYTEST_FLAGS)
 
