@@ -8,8 +8,8 @@ reads), ``style`` (fixed looks, fonts), ``pool`` (the physical blocks as a grid)
 (block tables pointing into the pool, the paper's Figures 6-7), ``timeline`` (blocks and queues
 over steps), ``fragmentation`` (reservation vs paging, the paper's Figure 2), ``panels`` and
 ``view`` (the text panels and the widget layout both dashboards share), ``live`` (the ipywidgets
-dashboard that follows a running engine) and ``replay`` (the view that scrubs through a recorded
-run).
+dashboard that follows a running engine), ``replay`` (the view that scrubs through a recorded
+run) and ``workers`` (tensor parallelism: the driver's one block table over each worker's slab).
 
 A model with sliding-window layers (Mistral: all of them; Gemma 3: with full ones), whose
 coordinator keeps its layers' KV-cache groups over one pool, is drawn by the same code: a table
@@ -40,6 +40,8 @@ _NAMES = {
     "fragmentation_breakdown": "fragmentation",
     "draw_fragmentation": "fragmentation",
     "draw_reservation_vs_paging": "fragmentation",
+    "draw_worker_slabs": "workers",
+    "read_slabs": "workers",
     "LiveBlockView": "live",
     "ReplayView": "replay",
 }

@@ -29,6 +29,11 @@ and always for a frame that shows the engine idle (nothing waiting, running or s
 the picture left on screen is the pool as it is. With a handle that has ``call(fn)`` (run ``fn``
 on the engine's thread between steps), the view subscribes, reads its first frame and, on
 ``close()``, unsubscribes there too.
+
+**Tensor parallelism** (``LLM(..., tensor_parallel_size=N)``): under the pool picture a second
+one shows the driver's one block table over each worker's KV slab -- the same block ids, each
+worker its own heads (:mod:`pagedlearn.viz.workers`). It is redrawn with the pool picture, from
+rpcs to the workers made on the thread that steps the engine; a failing rpc is shown in the view.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ from pagedlearn.viz.colors import Palette
 from pagedlearn.viz.panels import RequestBook
 from pagedlearn.viz.state import LiveFrames, PoolState, pool_state, step_label
 from pagedlearn.viz.view import DPI, MAX_BUTTONS, PoolView
+from pagedlearn.viz.workers import LiveSlabs, shows_workers
 
 __all__ = ["DPI", "MAX_BUTTONS", "LiveBlockView"]
 
@@ -84,6 +90,8 @@ class LiveBlockView(PoolView):
     next; an idle frame is always drawn); None draws every frame.
     Default: 5 when following, None otherwise. ``frames_seen`` / ``frames_drawn`` count the
     frames the view took in and those it drew (``last_draw_seconds``: what the last one cost).
+    ``workers``: draw each worker's KV slab under the pool (``workers_image``; default: when the
+    engine has more than one worker); False hides it, True shows it for one worker too.
     """
 
     def __init__(
@@ -94,6 +102,7 @@ class LiveBlockView(PoolView):
         delay: float = 0.3,
         follow: bool | None = None,
         max_fps: float | None = None,
+        workers: bool | None = None,
     ) -> None:
         engine = getattr(llm, "engine", llm)
         if not (hasattr(engine, "kv") and hasattr(engine, "step")):
@@ -121,6 +130,7 @@ class LiveBlockView(PoolView):
             raise ValueError(
                 f"max_fps must be a number of frames a second > 0 or None, got {max_fps!r}"
             )
+        self.slabs = LiveSlabs(engine, dpi=DPI) if shows_workers(engine, workers) else None
         self.engine = engine
         self.following, self.max_fps = follow, max_fps
         # Run fn(engine) where the engine is safe to read: on its thread between steps (a
@@ -165,6 +175,12 @@ class LiveBlockView(PoolView):
             )
             controls.append(self.driver)
         self._widget = self._layout(controls)
+        self.workers_image = None
+        if self.slabs is not None:  # under the pool picture, as wide as the column allows
+            self.workers_image = w.Image(format="png", layout=self.image.layout)
+            kids = list(self._widget.children)
+            kids.insert(kids.index(self.image) + 1, self.workers_image)
+            self._widget.children = tuple(kids)
         self._frames = LiveFrames(engine)  # one per step event and per prefix-cache reset
         self._unsubscribe = None
         self._call(self._attach)
@@ -199,6 +215,14 @@ class LiveBlockView(PoolView):
             self.frames_drawn += 1
         except Exception as exc:
             self._report(exc)
+
+    def _draw(self, state: PoolState, finished: list) -> None:
+        super()._draw(state, finished)
+        if self.slabs is not None:  # the same frame's slabs: rpcs, on the stepping thread
+            try:
+                self.workers_image.value = self.slabs.png(state)
+            except Exception as exc:  # a worker's failure is shown; it never raises into a step
+                self._report(exc)
 
     def _refuse_if_following(self) -> None:
         if self.following:
