@@ -86,6 +86,14 @@ def add_engine_options(parser: argparse.ArgumentParser, num_blocks_help: str) ->
         "reference = the readable PyTorch references",
     )
     parser.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
+    parser.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int_in(1),
+        default=1,
+        help="worker processes that each hold 1/N of every layer's heads and of every block "
+        "(the paper's section 4.6; N must divide the model's heads; on GPUs, one per worker)",
+    )
 
 
 def writable_dir(path) -> str | None:
@@ -405,6 +413,7 @@ def main(argv: list[str] | None = None) -> int:
                     args.preemption_mode,
                     args.backend,
                     not args.no_prefix_caching,
+                    args.tensor_parallel_size,
                 )
         except OptionError as e:  # an option the model's config rules out: a usage error
             own.error(f"argument --{e.option.replace('_', '-')}: {e}")

@@ -158,6 +158,7 @@ def run_demo(
     preemption_mode="recompute",
     attention_backend="auto",
     prefix_caching=True,
+    tensor_parallel_size=1,
 ) -> None:
     from pagedlearn import LLM
     from pagedlearn.models import load
@@ -178,7 +179,15 @@ def run_demo(
         preemption_mode=preemption_mode,
         attention_backend=attention_backend,
         enable_prefix_caching=prefix_caching,
+        tensor_parallel_size=tensor_parallel_size,
     )
+    try:
+        _run(llm, reqs)
+    finally:
+        llm.shutdown()  # tensor-parallel workers, if any
+
+
+def _run(llm, reqs) -> None:
     engine = llm.engine
     labels = {}  # "n=3.1" -> "E1": short names for the pool map
     for letter, (rid, prompt, params) in zip(string.ascii_uppercase, reqs, strict=False):

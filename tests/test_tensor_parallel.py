@@ -316,3 +316,28 @@ def test_a_script_without_the_main_guard_gets_told_why(tmp_path):
     assert run.returncode != 0
     assert "WorkerError" in run.stderr
     assert "if __name__ == '__main__':" in run.stderr.splitlines()[-1]
+
+
+def test_the_demo_takes_tensor_parallel_size():
+    run = subprocess.run(
+        [sys.executable, "-m", "pagedlearn", "demo", "--model", "tiny-gpt2", "-tp", "2"],
+        capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "tensor parallel: 2 workers" in run.stdout
+
+
+def test_a_server_built_with_workers_stops_them():
+    httpx = pytest.importorskip("httpx")
+    from pagedlearn.serve import serve
+
+    srv = serve("tiny-gpt2", port=0, tensor_parallel_size=2, num_blocks=32, verbose=False)
+    pids = list(srv.engine.runner.pids)
+    try:
+        body = {"model": srv.model_name, "prompt": "Hello", "max_tokens": 4, "temperature": 0}
+        reply = httpx.post(f"{srv.base_url}/completions", json=body, timeout=60).json()
+        twin = build(num_blocks=32).generate(["Hello"], SamplingParams(max_tokens=4, temperature=0))
+        assert reply["choices"][0]["text"] == twin[0].outputs[0].text
+    finally:
+        srv.stop()
+    assert wait_gone(pids) == []

@@ -66,12 +66,14 @@ class ServerHandle:
     (``max_model_len``), and :meth:`stop`."""
 
     def __init__(
-        self, llm, loop, server, thread, url: str, model_name: str, max_model_len: int
-    ) -> None:
+        self, llm, loop, server, thread, url: str, model_name: str, max_model_len: int,
+        owns_llm: bool = False,
+    ) -> None:  # fmt: skip
         self.llm, self.engine, self.model_name = llm, llm.engine, model_name
         self.max_model_len = max_model_len
         self.url, self.base_url = url, url + "/v1"
         self._loop, self._server, self._thread = loop, server, thread
+        self._owns_llm = owns_llm  # built by serve(): its tensor-parallel workers stop with it
         self._stopped = False
 
     def call(self, fn, timeout: float = 30.0):
@@ -93,6 +95,8 @@ class ServerHandle:
         self._server.should_exit = True  # uvicorn: stop accepting, finish what is in flight
         self._loop.stop(timeout)  # aborts every request: the streams end with an error
         self._thread.join(timeout)
+        if self._owns_llm:
+            self.llm.shutdown()  # an LLM the caller built is the caller's to shut down
 
     def __enter__(self) -> ServerHandle:
         return self
@@ -131,9 +135,10 @@ def serve(
             f"serve() got an LLM and LLM options ({', '.join(llm_kwargs)}): give one or the other"
         )
     sock = _bind(host, port)  # first: a port in use fails before a model is loaded
-    loop = None
+    loop = llm = None
+    owns = not isinstance(model, LLM)
     try:
-        llm = model if isinstance(model, LLM) else _load(model, llm_kwargs)
+        llm = model if not owns else _load(model, llm_kwargs)
         name = served_model_name or str(llm.model_name)
         context = _served_context(llm, verbose=llm_kwargs.get("verbose", True))
         loop = EngineLoop(llm.engine).start()
@@ -155,10 +160,12 @@ def serve(
     except BaseException:
         if loop is not None:
             loop.stop()
+        if owns and llm is not None:
+            llm.shutdown()
         sock.close()
         raise
     bound = sock.getsockname()[1]
-    return ServerHandle(llm, loop, server, thread, _url(host, bound), name, context)
+    return ServerHandle(llm, loop, server, thread, _url(host, bound), name, context, owns)
 
 
 def _load(model, llm_kwargs: dict):
@@ -275,6 +282,7 @@ def cli(args) -> int:
             enable_prefix_caching=not args.no_prefix_caching,
             max_num_seqs=args.max_num_seqs,
             swap_blocks=args.swap_blocks,
+            tensor_parallel_size=args.tensor_parallel_size,
         )
     except OptionError as e:  # a usage error, reported with serve's usage, as the demo does
         from pagedlearn.__main__ import build_parser
