@@ -4,7 +4,7 @@
 #   1. the kernel and reference tests, compiled on the GPU, including the `slow` and `gpu` tiers
 #      (bf16 natively, fp32 against the CPU reference, a cache past 2**31 elements);
 #   2. the engine's tests on the GPU (Triton backend, tiny models: tokens and logits vs transformers,
-#      preemption, sharing, beams), and the demo;
+#      preemption, sharing, beams), tensor parallelism (NCCL with two GPUs or more), and the demo;
 #   3. the attention benchmark table (add --quick for fewer rows, --no-flex to skip FlexAttention),
 #      the sliding-window decode timing (W = 4k vs none at 32k), and the engine benchmark on
 #      GPT-2 small's shape (random weights, no download needed);
@@ -26,6 +26,8 @@ status=$?
 $PY -m pytest -q -p no:cacheprovider -o addopts="" \
     tests/test_engine.py tests/test_engine_parts.py tests/test_engine_random.py || status=1
 $PY -m pytest -q -m "" -p no:cacheprovider -o addopts="" tests/test_hybrid_engine.py || status=1
+# Tensor parallelism: the CPU (gloo) tests, and NCCL + Triton where there are two GPUs or more.
+$PY -m pytest -q -m "" -p no:cacheprovider -o addopts="" tests/test_tensor_parallel.py || status=1
 $PY -m pagedlearn demo --model tiny-gpt2 | tail -12 || status=1
 $PY benchmarks/bench_attention.py "$@"
 $PY benchmarks/bench_sliding_window.py

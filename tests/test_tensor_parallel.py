@@ -52,7 +52,9 @@ def wait_gone(pids, seconds: float = 15.0) -> list[int]:
 
 
 def build(model="tiny-gpt2", tp=1, **kw):
-    kw = {"num_blocks": 40, "block_size": 4, "verbose": False, **kw}
+    # On the CPU (gloo) even where there is a GPU: CI's path, and tp=2 on CUDA needs two GPUs
+    # (test_two_gpus below).
+    kw = {"num_blocks": 40, "block_size": 4, "verbose": False, "device": "cpu", **kw}
     llm = LLM(model, tensor_parallel_size=tp, **kw)
     if tp > 1:
         llm.engine.runner.step_timeout = 60.0  # a hung worker fails a test, not the suite
@@ -164,7 +166,7 @@ def test_recompute_preemption_ctrl_c_and_shutdown_with_tiny_opt(monkeypatch):
 
 
 def test_triton_backend_matches_torch():
-    if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
+    if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("Triton on a CPU needs TRITON_INTERPRET=1 (tests/conftest.py sets it)")
     pytest.importorskip("triton")
     one = build(num_blocks=16)
@@ -172,6 +174,18 @@ def test_triton_backend_matches_torch():
     try:
         params = SamplingParams(max_tokens=2, temperature=0)
         both((one, two), lambda llm: llm.generate(PROMPTS[:2], params, use_tqdm=False))
+    finally:
+        two.shutdown()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs (one per worker)")
+def test_two_gpus_nccl_and_triton_match_one():
+    one = build(device="cuda", num_blocks=32)
+    two = build(tp=2, device="cuda", num_blocks=32, attention_backend="triton")
+    try:
+        assert [d["device"] for d in two.collective_rpc("describe")] == ["cuda:0", "cuda:1"]
+        both((one, two), lambda llm: llm.generate(PROMPTS, GREEDY, use_tqdm=False))
     finally:
         two.shutdown()
 

@@ -35,7 +35,9 @@ MAX_STEPS = 64  # more than any request here needs
 
 @pytest.fixture(scope="module")
 def tp2():
-    llm = LLM("tiny-gpt2", tensor_parallel_size=2, num_blocks=32, block_size=4, verbose=False)
+    # On the CPU even where there is a GPU: tp=2 on CUDA needs two of them.
+    kw = {"num_blocks": 32, "block_size": 4, "verbose": False, "device": "cpu"}
+    llm = LLM("tiny-gpt2", tensor_parallel_size=2, **kw)
     yield llm
     llm.shutdown()  # bounded: the workers get a few seconds, then are killed
 
