@@ -4,6 +4,7 @@ over each worker's KV slab -- the same block ids, different heads -- static and 
 One tp=2 tiny GPT-2 for the module (two worker processes, ~4 s to start); every test leaves it
 with no unfinished request. Every wait is bounded."""
 
+import base64
 import io
 import os
 import time
@@ -169,6 +170,10 @@ def test_live_view_redraws_the_slabs_with_each_frame(tp2):
     assert len(set(seen)) >= 2 and seen[0] != first
     size = Image.open(io.BytesIO(seen[-1])).size
     assert size[0] > 600 and size[1] > 150
+    # A reader without a kernel (a stored notebook) gets both pictures, one above the other.
+    stored = base64.b64decode(view._repr_mimebundle_()["image/png"])
+    pool = Image.open(io.BytesIO(view.image.value)).size
+    assert Image.open(io.BytesIO(stored)).size == (max(pool[0], size[0]), pool[1] + size[1])
     view.close()
 
 

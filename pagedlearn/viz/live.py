@@ -39,6 +39,7 @@ rpcs to the workers made on the thread that steps the engine; a failing rpc is s
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import html
 import time
@@ -47,10 +48,10 @@ import ipywidgets as w
 
 from pagedlearn.trace_file import FRAME_KINDS
 from pagedlearn.viz.colors import Palette
+from pagedlearn.viz.live_workers import LiveSlabs, shows_workers, stacked_png
 from pagedlearn.viz.panels import RequestBook
 from pagedlearn.viz.state import LiveFrames, PoolState, pool_state, step_label
 from pagedlearn.viz.view import DPI, MAX_BUTTONS, PoolView
-from pagedlearn.viz.workers import LiveSlabs, shows_workers
 
 __all__ = ["DPI", "MAX_BUTTONS", "LiveBlockView"]
 
@@ -223,6 +224,13 @@ class LiveBlockView(PoolView):
                 self.workers_image.value = self.slabs.png(state)
             except Exception as exc:  # a worker's failure is shown; it never raises into a step
                 self._report(exc)
+
+    def _repr_mimebundle_(self, **kwargs):
+        bundle = super()._repr_mimebundle_(**kwargs)
+        if self.workers_image is not None and self.workers_image.value:  # both, for a reader
+            png = stacked_png(self.image.value, self.workers_image.value)  # with no kernel
+            bundle["image/png"] = base64.b64encode(png).decode("ascii")
+        return bundle
 
     def _refuse_if_following(self) -> None:
         if self.following:

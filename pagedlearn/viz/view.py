@@ -38,6 +38,27 @@ MAX_BUTTONS = 128  # larger pools get a block-id box instead of one button per b
 BUTTON_W = 44  # px; each button takes BUTTON_W + 4 (its margins) in the wrapping box
 
 
+def blit_png(canvas, figure, dynamic: list, background):
+    """``figure`` as PNG bytes, redrawing only its ``dynamic`` artists: the static layer is
+    drawn once (when ``background`` is None) and restored for every frame after. Returns the
+    PNG and the background to pass next time."""
+    if background is None:
+        for a in dynamic:
+            a.set_visible(False)
+        canvas.draw()
+        background = canvas.copy_from_bbox(figure.bbox)
+        for a in dynamic:
+            a.set_visible(True)
+    canvas.restore_region(background)
+    for a in dynamic:
+        figure.draw_artist(a)
+    size = canvas.get_width_height(physical=True)
+    img = Image.frombuffer("RGBA", size, canvas.buffer_rgba(), "raw", "RGBA", 0, 1)
+    buf = io.BytesIO()
+    img.save(buf, format="png", compress_level=1)  # fast; a frame is ~30 KB anyway
+    return buf.getvalue(), background
+
+
 class PoolView:
     """The picture, stats line, request list and block inspector of one pool."""
 
@@ -131,25 +152,14 @@ class PoolView:
         return dict(self.state.colors) if self.state is not None else {}
 
     def _render(self) -> bytes:
-        """The figure as PNG bytes. The static layer is drawn once (again only when the layout
-        changes); each frame restores it and draws just the artists an update changes."""
-        canvas, dynamic = self._canvas, self.artist.dynamic_artists()
+        """The figure as PNG bytes; the static layer is drawn again only when the layout
+        changes (:func:`blit_png`)."""
         if self._layout_version != self.artist.layout_version:
-            for a in dynamic:
-                a.set_visible(False)
-            canvas.draw()
-            self._background = canvas.copy_from_bbox(self.figure.bbox)
-            for a in dynamic:
-                a.set_visible(True)
-            self._layout_version = self.artist.layout_version
-        canvas.restore_region(self._background)
-        for a in dynamic:
-            self.figure.draw_artist(a)
-        size = canvas.get_width_height(physical=True)
-        img = Image.frombuffer("RGBA", size, canvas.buffer_rgba(), "raw", "RGBA", 0, 1)
-        buf = io.BytesIO()
-        img.save(buf, format="png", compress_level=1)  # fast; a frame is ~30 KB anyway
-        return buf.getvalue()
+            self._background, self._layout_version = None, self.artist.layout_version
+        png, self._background = blit_png(
+            self._canvas, self.figure, self.artist.dynamic_artists(), self._background
+        )
+        return png
 
     def _report(self, exc: BaseException) -> None:
         """Show an error in the view (a failing step must not vanish in a background task)."""

@@ -32,14 +32,10 @@ does it inside the step event; a served engine: ``srv.call(draw_worker_slabs)``)
 
 from __future__ import annotations
 
-import io
 import os
-import time
 from dataclasses import dataclass, field
 
-import matplotlib
 import numpy as np
-from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.collections import LineCollection
 from matplotlib.colors import to_hex, to_rgb
 from matplotlib.figure import Figure
@@ -52,7 +48,6 @@ from pagedlearn.viz.style import (
     FREE_COLOR,
     MIXED_COLOR,
     OUTLINE_COLOR,
-    STYLE,
     Palette,
     block_color,
     styled,
@@ -317,62 +312,3 @@ def draw_worker_slabs(
     fig, artist = slabs_figure(state.num_blocks, [described(s) for s in slabs])
     artist.update(state, slabs, title)
     return fig
-
-
-def shows_workers(engine, workers: bool | None) -> bool:
-    """Whether a live view draws the worker slabs: ``workers``, or by default when the engine
-    has more than one worker."""
-    if workers is None:
-        return getattr(getattr(engine, "kv_cache", None), "num_workers", 1) > 1
-    if not isinstance(workers, bool):
-        raise TypeError(f"workers must be True, False or None, got {workers!r}")
-    return workers
-
-
-class LiveSlabs:
-    """The live view's second picture: :meth:`png` reads the slabs and draws them beside a
-    frame (on the thread that steps the engine). The layout is built at the first frame (the
-    workers' ``describe()`` is read there, on that thread too); later frames redraw only the
-    cells and the title (blitting, as the pool picture does)."""
-
-    def __init__(self, engine, *, layer: int = 0, dpi: int = 80) -> None:
-        self.engine, self.layer, self.dpi = _check_layer(_engine_of(engine), layer), layer, dpi
-        self.figure: Figure | None = None
-        self.artist: SlabArtist | None = None
-        self.workers: list[dict] | None = None
-        self.last_draw_seconds = 0.0  # the rpcs + the render of the last frame
-
-    def png(self, state: PoolState) -> bytes:
-        t0 = time.perf_counter()
-        slabs = read_slabs(self.engine, self.layer, self.workers)
-        with matplotlib.rc_context(STYLE):
-            if self.artist is None:
-                self.workers = [described(s) for s in slabs]
-                self.figure, self.artist = slabs_figure(state.num_blocks, self.workers,
-                                                        legend=False)  # fmt: skip
-                self.figure.set_dpi(self.dpi)
-                self._canvas, self._background = FigureCanvasAgg(self.figure), None
-            self.artist.update(state, slabs)
-            png = self._render()
-        self.last_draw_seconds = time.perf_counter() - t0
-        return png
-
-    def _render(self) -> bytes:
-        canvas, dynamic = self._canvas, self.artist.dynamic_artists()
-        if self._background is None:  # the static layer (labels, ticks) once
-            for a in dynamic:
-                a.set_visible(False)
-            canvas.draw()
-            self._background = canvas.copy_from_bbox(self.figure.bbox)
-            for a in dynamic:
-                a.set_visible(True)
-        canvas.restore_region(self._background)
-        for a in dynamic:
-            self.figure.draw_artist(a)
-        from PIL import Image
-
-        size = canvas.get_width_height(physical=True)
-        img = Image.frombuffer("RGBA", size, canvas.buffer_rgba(), "raw", "RGBA", 0, 1)
-        buf = io.BytesIO()
-        img.save(buf, format="png", compress_level=1)
-        return buf.getvalue()
