@@ -14,7 +14,7 @@ imported by the parts that need them (``LLM`` and friends are looked up on first
 """
 
 from pagedlearn.block_allocator import BlockAllocator
-from pagedlearn.errors import OutOfBlocksError, PagedLearnError, TraceFileError
+from pagedlearn.errors import OutOfBlocksError, PagedLearnError, TraceFileError, WorkerError
 from pagedlearn.kv_cache_manager import KVCacheManager
 
 __version__ = "0.1.0"
@@ -27,6 +27,7 @@ __all__ = [
     "OutOfBlocksError",
     "PagedLearnError",
     "TraceFileError",
+    "WorkerError",
     *_ENGINE_NAMES,
 ]
 

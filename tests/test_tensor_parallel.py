@@ -223,6 +223,81 @@ def _divide_by_zero(worker):
     return 1 / 0
 
 
+def test_an_unpicklable_or_unimportable_rpc_is_refused_and_the_engine_goes_on(swap_pair):
+    import types
+
+    llm = swap_pair[1]
+    with pytest.raises(PagedLearnError, match="must be importable by name"):
+        llm.collective_rpc(lambda worker: worker.rank)
+    only_here = types.ModuleType("only_in_the_driver")  # the workers cannot import it
+    exec("def rank(worker):\n    return worker.rank", only_here.__dict__)
+    sys.modules["only_in_the_driver"] = only_here
+    try:
+        unimportable = r"(?s)collective_rpc failed on .*only_in_the_driver"
+        with pytest.raises(PagedLearnError, match=unimportable):
+            llm.collective_rpc(only_here.rank)
+    finally:
+        del sys.modules["only_in_the_driver"]
+    with pytest.raises(PagedLearnError, match="collective_rpc failed"):
+        llm.collective_rpc(_unpicklable_result)
+    both(swap_pair, lambda x: x.generate(PROMPTS[:1], GREEDY, use_tqdm=False))
+
+
+def _unpicklable_result(worker):
+    import threading
+
+    return threading.Lock()
+
+
+def test_a_ctrl_c_between_two_workers_messages_waits_for_both(swap_pair):
+    """A real SIGINT after the first worker's message: the second still gets it."""
+    conn = swap_pair[1].engine.runner.conns[0]
+    real = conn.send_bytes
+
+    def send_then_interrupt(message):
+        real(message)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    conn.send_bytes = send_then_interrupt
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            swap_pair[1].collective_rpc("describe")
+    finally:
+        del conn.send_bytes
+    assert [d["rank"] for d in swap_pair[1].collective_rpc("describe")] == [0, 1]
+    both(swap_pair, lambda x: x.generate(PROMPTS[:2], GREEDY, use_tqdm=False))
+
+
+def test_two_threads_at_once_are_told_to_use_one(swap_pair):
+    import threading
+
+    llm = swap_pair[1]
+    slow = threading.Thread(target=llm.collective_rpc, args=(_sleep, (1.0,)))
+    slow.start()
+    time.sleep(0.3)
+    try:
+        with pytest.raises(PagedLearnError, match="two threads used the tensor-parallel workers"):
+            llm.collective_rpc("describe")
+    finally:
+        slow.join(30)
+    assert len(llm.collective_rpc("describe")) == 2
+
+
+@pytest.mark.parametrize("device", ["meta", "cuda:1"])
+def test_devices_other_than_cpu_and_cuda_are_refused(device):
+    with pytest.raises(PagedLearnError, match=r"device=.cpu. .* or device=.cuda."):
+        build(tp=2, device=device)
+
+
+def test_workers_start_fresh_when_their_environment_changed(monkeypatch):
+    from pagedlearn.parallel import executor
+
+    monkeypatch.setattr(executor, "_fork_server_env", None)
+    assert executor._context().get_start_method() == "forkserver"
+    monkeypatch.setenv("TRITON_INTERPRET", "changed")
+    assert executor._context().get_start_method() == "spawn"
+
+
 # --- lifecycle: nothing hangs, nothing is left behind -----------------------------------------
 def test_a_worker_that_dies_fails_the_engine_with_its_name():
     llm = build(tp=2)
@@ -261,8 +336,10 @@ def test_a_worker_that_raises_in_a_step_fails_the_requests():
     llm = build(tp=2)
     llm.collective_rpc(_break_forward)
     llm.engine.add_request("r", "Hello", GREEDY)
-    with pytest.raises(WorkerError, match="RuntimeError: injected"):
+    t0 = time.monotonic()
+    with pytest.raises(WorkerError, match=r"(?s)worker 1 .* raised .*RuntimeError: injected"):
         llm.engine.step()
+    assert time.monotonic() - t0 < 10  # not the step timeout: rank 0 is stopped at once
     out = llm.engine.step()  # the failed request's output, then the engine refuses to step
     assert [o.outputs[0].finish_reason for o in out] == ["error"]
     with pytest.raises(PagedLearnError, match="cannot step"):
@@ -273,7 +350,8 @@ def _break_forward(worker):
     def run(inputs):
         raise RuntimeError("injected")
 
-    worker.runner.run = run
+    if worker.rank == 1:  # rank 0 then waits in the first all-reduce: the driver must not
+        worker.runner.run = run
 
 
 def test_garbage_collection_stops_the_workers():

@@ -79,6 +79,17 @@ class LLM:
     upper bound for a reservation system. A request whose reservation exceeds the whole pool is
     rejected, like a prompt larger than the pool (``generate`` returns it with ``error`` set).
 
+    ``tensor_parallel_size``: N > 1 starts N worker processes (vLLM's name; paper section
+    4.6): each holds 1/N of every layer's heads and MLP columns and 1/N of every block's KV
+    heads, while this process keeps the one scheduler and block manager
+    (:mod:`pagedlearn.parallel`). GPT-2 and OPT; N must divide their heads. On CPUs the
+    workers use gloo; with ``device="cuda"`` worker ``r`` runs on ``cuda:r`` (N GPUs needed).
+    ``kv_cache_memory`` and the default budget are then per worker: each worker's slab holds
+    1/N of every block, so the same budget holds N times the blocks. ``shutdown()`` stops the
+    workers (garbage collection and interpreter exit do too); ``collective_rpc`` runs a
+    function on each. In a script, build the ``LLM`` under ``if __name__ == "__main__":``:
+    the workers import the main module.
+
     ``model_version``: the weights' version, part of every block hash (``llm.engine.model_version``
     changes it later; see :attr:`LLMEngine.model_version`).
 

@@ -57,50 +57,17 @@ The exception itself always reaches the caller unchanged (with a note saying wha
 
 from __future__ import annotations
 
-import contextlib
-import signal
-import threading
 from dataclasses import dataclass, field
-
-try:  # the C functions behind signal.signal / getsignal, without their enum conversions (which
-    import _signal as _sig  # raise and catch a ValueError per call); CPython's private module
-except ImportError:  # not CPython
-    _sig = signal
 
 from pagedlearn.engine.outputs import fail
 from pagedlearn.engine.request import Request, RequestOutput, RequestStatus
 from pagedlearn.engine.scheduler import SchedulerOutput
 from pagedlearn.errors import PagedLearnError, add_note
+from pagedlearn.interrupts import held_interrupts
 from pagedlearn.kv_cache_manager import uncache_free_blocks
 
 PHASES = ("schedule", "swap_out", "swap_in", "copy", "forward", "sample", "publish")
 MAX_FAULTS = 3  # steps in a row that raised while a request was in flight: then it fails
-_SIGINT = int(signal.SIGINT)
-
-
-@contextlib.contextmanager
-def held_interrupts(reraise: bool = True):
-    """Hold Ctrl-C (SIGINT) until the block ends, then raise ``KeyboardInterrupt`` (if
-    ``reraise``). A second Ctrl-C raises at once. Only in the main thread with Python's default
-    handler (a script, a Jupyter cell); elsewhere, or when already held, it does nothing."""
-    main = threading.current_thread() is threading.main_thread()
-    if not main or _sig.getsignal(_SIGINT) is not signal.default_int_handler:
-        yield
-        return
-    pressed: list[int] = []
-
-    def hold(signum, frame):
-        if pressed:  # pressed twice: the bookkeeping may be stuck, stop now
-            raise KeyboardInterrupt
-        pressed.append(signum)
-
-    _sig.signal(_SIGINT, hold)
-    try:
-        yield
-    finally:
-        _sig.signal(_SIGINT, signal.default_int_handler)
-    if pressed and reraise:
-        raise KeyboardInterrupt
 
 
 @dataclass
@@ -192,8 +159,14 @@ class Recovery:
     error: str  # repr of the exception
     requeued: list[str]  # request ids preempted by recompute
     failed: list[str]  # request ids failed (MAX_FAULTS reached, or a broken pool)
+    broken: str | None = None  # why the engine refuses more work, if it does now
 
     def note(self) -> str:
+        if self.broken:
+            return (
+                f"pagedlearn: LLMEngine.step() raised during {self.phase!r}; the engine is "
+                f"broken ({self.broken}): requests {self.failed} failed"
+            )
         return (
             f"pagedlearn: LLMEngine.step() raised during {self.phase!r}; the engine recovered: "
             f"requests {self.requeued} re-queued to recompute, {self.failed} failed"
@@ -223,6 +196,11 @@ def _roll_back(engine, journal: StepJournal, exc: BaseException) -> Recovery:
     current = journal.current[0] if journal.current else None
     swapped_copied = PHASES.index(journal.phase) > PHASES.index("swap_out")
     touched = [*journal.sched.touched, *([current] if current else [])]
+    # Tensor parallelism: workers that died or failed took the KV of every request with them;
+    # nothing is re-queued, every request fails below.
+    if dead := getattr(engine.runner, "dead", None):
+        engine.broken = f"the tensor-parallel workers are stopped: {dead}"
+        touched = []
     for req in {id(r): r for r in touched}.values():  # each once, in order
         if engine.requests.get(req.request_id) is not req:  # finished: output in journal
             continue
@@ -265,9 +243,6 @@ def _roll_back(engine, journal: StepJournal, exc: BaseException) -> Recovery:
             f"the block pool was left inconsistent by {exc!r} raised inside a block-manager "
             f"operation during {journal.phase} ({e}); build a new LLM"
         )
-    # Tensor parallelism: a worker that died or failed took the KV of every request with it.
-    if not engine.broken and (dead := getattr(engine.runner, "dead", None)):
-        engine.broken = f"the tensor-parallel workers are stopped: {dead}"
     if engine.broken:
         for req in list(engine.requests.values()):
             q._dequeue(req)
@@ -277,6 +252,7 @@ def _roll_back(engine, journal: StepJournal, exc: BaseException) -> Recovery:
     # Sampling's outputs join the step's only when sampling returns: before, they are apart.
     outputs = journal.outputs + (journal.finished if journal.phase == "sample" else [])
     engine._undelivered = [o for o in outputs if o.finished] + failed
+    rec.broken = engine.broken
     return rec
 
 

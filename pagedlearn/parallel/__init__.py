@@ -17,6 +17,7 @@ On CPUs the workers talk through gloo, on GPUs through NCCL (one GPU per worker)
 
 from __future__ import annotations
 
+from pagedlearn.errors import PagedLearnError
 from pagedlearn.parallel.executor import TensorParallelExecutor
 from pagedlearn.parallel.sharded_kv_cache import ShardedKVCache
 from pagedlearn.parallel.sharding import check_tensor_parallel, shard_model, tensor_parallel_plan
@@ -53,4 +54,8 @@ def collective_rpc(engine, method, args: tuple = (), kwargs: dict | None = None)
     message = (method, tuple(args), dict(kwargs or {}))
     if isinstance(engine.runner, TensorParallelExecutor):
         return engine.runner.call("rpc", message)
-    return [Worker(0, 1, engine.model, engine.kv_cache, engine.runner).handle("rpc", message)]
+    worker = Worker(0, 1, engine.model, engine.kv_cache, engine.runner)
+    try:  # the same error as from worker processes, whatever the function raised
+        return [worker.handle("rpc", message)]
+    except Exception as e:
+        raise PagedLearnError(f"collective_rpc failed on the one in-process worker: {e!r}") from e

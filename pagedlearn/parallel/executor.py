@@ -41,7 +41,8 @@ import contextlib
 import os
 import pickle
 import signal
-import tempfile
+import socket
+import threading
 import time
 import weakref
 from multiprocessing.connection import wait
@@ -49,6 +50,7 @@ from multiprocessing.connection import wait
 import torch
 
 from pagedlearn.errors import PagedLearnError, WorkerError
+from pagedlearn.interrupts import held_interrupts
 from pagedlearn.kv_cache import KVCacheSpec
 from pagedlearn.models.runner import SequenceInput, prepare_inputs
 from pagedlearn.parallel.worker import WorkerConfig, worker_main
@@ -79,6 +81,11 @@ class TensorParallelExecutor:
 
         check_tensor_parallel(model, size)
         dev = torch.device(device)
+        if dev.type not in ("cpu", "cuda") or dev.index is not None:
+            raise PagedLearnError(
+                f"tensor parallelism runs its workers on device='cpu' (gloo) or device='cuda' "
+                f"(NCCL, worker r on cuda:r), got {device!r}"
+            )
         if dev.type == "cuda" and torch.cuda.device_count() < size:
             raise PagedLearnError(
                 f"tensor_parallel_size={size} on CUDA needs {size} GPUs (one per worker), "
@@ -89,15 +96,15 @@ class TensorParallelExecutor:
         self.dead: str | None = None  # why the workers cannot be used any more
         self.last_timings: dict = {}  # the last message's: send, received (per rank), busy
         self._outstanding: set[int] = set()  # ranks whose answer a Ctrl-C left unread
-        fd, rendezvous = tempfile.mkstemp(prefix="pagedlearn-tp-")
-        os.close(fd)
-        os.unlink(rendezvous)  # init_process_group's FileStore wants a path that is not there
+        self._pending = ""  # the kind of message those answers belong to
+        self._busy = threading.Lock()  # one message at a time: the pipes carry no request ids
         ctx = _context()
+        rendezvous = f"tcp://127.0.0.1:{_free_port()}"  # rank 0 hosts the store there
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         self.procs, self.conns = [], []
         for rank in range(size):
             cfg = WorkerConfig(
-                rank, size, f"file://{rendezvous}", f"cuda:{rank}" if dev.type == "cuda" else "cpu",
+                rank, size, rendezvous, f"cuda:{rank}" if dev.type == "cuda" else "cpu",
                 num_blocks, block_size, swap_blocks, backend, self.step_timeout,
                 max(1, (cores or 1) // size),
             )  # fmt: skip
@@ -108,13 +115,13 @@ class TensorParallelExecutor:
             theirs.close()  # the worker's end lives in the worker: EOF here means it is gone
             self.procs.append(proc)
             self.conns.append(mine)
-        self._finalizer = weakref.finalize(self, _stop_workers, self.procs, self.conns, rendezvous)
+        self._finalizer = weakref.finalize(self, _stop_workers, self.procs, self.conns)
         try:
             payload = pickle.dumps(model, protocol=pickle.HIGHEST_PROTOCOL)
+            self._outstanding, self._pending = set(range(size)), "start"
             for conn in self.conns:
                 with contextlib.suppress(OSError):  # died already: _collect says how
                     conn.send_bytes(payload)
-            self._outstanding = set(range(size))
             self.workers = self._collect("start", self.start_timeout)  # each one's describe()
         except BaseException:
             self.shutdown()
@@ -128,21 +135,41 @@ class TensorParallelExecutor:
 
     def call(self, kind: str, payload=None) -> list:
         """Send one message to every worker (pickled once) and return their answers, by rank.
-        Raises :class:`WorkerError` (and stops every worker) if any dies, fails or is late."""
-        if self.dead:
-            raise WorkerError(f"the tensor-parallel workers are stopped: {self.dead}")
-        if self._outstanding:  # a Ctrl-C interrupted the last wait: its answers come first
-            self._collect("the interrupted message", self.step_timeout)
-        t0 = time.monotonic()
-        message = pickle.dumps((kind, payload, t0), protocol=pickle.HIGHEST_PROTOCOL)
-        for conn in self.conns:
-            with contextlib.suppress(OSError):  # a closed pipe: gone (its sentinel says how)
-                conn.send_bytes(message)
-        self._outstanding = set(range(self.size))
-        t1 = time.monotonic()
-        results = self._collect(kind, self.step_timeout)
-        self.last_timings["send"] = t1 - t0  # pickling once + writing N pipes
-        return results
+        Raises :class:`WorkerError` (and stops every worker) if any dies, fails or is late.
+
+        Ctrl-C is held while a message is written and while an answer is read (a half-written
+        message would leave the workers out of step); it may land while the driver waits, and
+        the answers it left unread are read before the next message goes out."""
+        if not self._busy.acquire(blocking=False):
+            raise PagedLearnError(
+                "two threads used the tensor-parallel workers at once: step the engine and call "
+                "collective_rpc from one thread (a server's: srv.call(fn))"
+            )
+        try:
+            if self.dead:
+                raise WorkerError(f"the tensor-parallel workers are stopped: {self.dead}")
+            if self._outstanding:  # a Ctrl-C interrupted the last wait: its answers come first
+                self._collect(self._pending, self.step_timeout)
+            t0 = time.monotonic()
+            try:
+                message = pickle.dumps((kind, payload, t0), protocol=pickle.HIGHEST_PROTOCOL)
+            except Exception as e:  # nothing was sent: the workers are as they were
+                raise PagedLearnError(
+                    f"cannot send {kind!r} to the workers: {e!r} (a function for collective_rpc "
+                    "must be importable by name: define it in a module, not in a notebook cell "
+                    "or under `if __name__ == '__main__':`)"
+                ) from e
+            with held_interrupts():  # every worker gets it, or none
+                self._outstanding, self._pending = set(range(self.size)), kind
+                for conn in self.conns:
+                    with contextlib.suppress(OSError):  # a closed pipe: its sentinel says how
+                        conn.send_bytes(message)
+            t1 = time.monotonic()
+            results = self._collect(kind, self.step_timeout)
+            self.last_timings["send"] = t1 - t0  # pickling once + writing N pipes
+            return results
+        finally:
+            self._busy.release()
 
     # --- waiting for answers --------------------------------------------------------------------
     def _collect(self, what: str, timeout: float) -> list:
@@ -160,7 +187,8 @@ class TensorParallelExecutor:
                 if obj in waiting:
                     rank = waiting[obj]
                     try:
-                        answer = pickle.loads(obj.recv_bytes())
+                        with held_interrupts():  # half-read, the pipe would be out of step
+                            answer = pickle.loads(obj.recv_bytes())
                     except (EOFError, OSError):
                         continue  # its sentinel tells how it ended, on this pass or the next
                     self._outstanding.discard(rank)
@@ -170,18 +198,20 @@ class TensorParallelExecutor:
                     results[rank] = answer[1]
                     received[rank] = answer[2].get("received")
                     busy[rank] = answer[2].get("busy")
+            if errors and what != "rpc":  # the others may wait for it in a collective: now
+                rank, text = errors[0]
+                self._fail(f"{self._name(rank)} raised while working on {what!r}:\n{text}")
             for obj in ready:
-                if obj in sentinels and self._outstanding:  # exited with an answer still due
-                    rank = sentinels[obj]
+                rank = sentinels.get(obj)
+                if rank in self._outstanding:  # exited with its answer still due
                     self.procs[rank].join(1.0)
-                    self._fail(f"{self._name(rank)} died {_how(self.procs[rank].exitcode)} "
-                               f"while working on {what!r}")  # fmt: skip
+                    code = self.procs[rank].exitcode
+                    self._fail(f"{self._name(rank)} died {_how(code, what)} while working on "
+                               f"{what!r}")  # fmt: skip
         self.last_timings = {"received": received, "busy": busy}
-        if errors:
+        if errors:  # an rpc: the user's function raised; the workers are fine
             rank, text = errors[0]
-            if what == "rpc":  # the user's function raised; the workers are fine
-                raise PagedLearnError(f"collective_rpc failed on {self._name(rank)}:\n{text}")
-            self._fail(f"{self._name(rank)} raised while working on {what!r}:\n{text}")
+            raise PagedLearnError(f"collective_rpc failed on {self._name(rank)}:\n{text}")
         return results
 
     def _name(self, rank: int) -> str:
@@ -196,7 +226,9 @@ class TensorParallelExecutor:
     # --- the end --------------------------------------------------------------------------------
     def shutdown(self, grace: float = 5.0) -> None:
         """Stop every worker (idempotent), giving them ``grace`` seconds to leave the process
-        group before they are terminated; afterwards :meth:`call` raises."""
+        group before they are terminated; afterwards :meth:`call` raises. (The fork server the
+        workers were started from stays, to start the next ones fast; it exits with this
+        process.)"""
         self.dead = self.dead or "shut down"
         if stop := self._finalizer.detach():  # (self, _stop_workers, args, kwargs) the first time
             _, fn, args, _ = stop
@@ -213,47 +245,71 @@ PRELOAD = ["pagedlearn.parallel.worker", "transformers.models.gpt2.modeling_gpt2
            "transformers.models.opt.modeling_opt"]  # fmt: skip
 
 
+# What the workers read from the environment when they start. A fork server keeps the one it
+# was started with, so when these change (TRITON_INTERPRET set in a notebook, say), new workers
+# are spawned from a fresh interpreter instead.
+WORKER_ENV = ("TRITON_INTERPRET", "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS")
+_fork_server_env: dict | None = None
+
+
 def _context():
     """``forkserver`` where the platform has it (Linux, macOS), else ``spawn``. Both start the
     workers from a fresh interpreter, never by forking this process: forking a process that has
     started threads (torch's, a server's) or CUDA can deadlock the child or break its GPU."""
     import multiprocessing
 
+    global _fork_server_env
+    env = {k: os.environ.get(k) for k in WORKER_ENV}
     if "forkserver" in multiprocessing.get_all_start_methods():
-        ctx = torch.multiprocessing.get_context("forkserver")
-        ctx.set_forkserver_preload(PRELOAD)  # no effect once its server runs; harmless
-        return ctx
+        if _fork_server_env is None:
+            _fork_server_env = env
+        if env == _fork_server_env:
+            ctx = torch.multiprocessing.get_context("forkserver")
+            ctx.set_forkserver_preload(PRELOAD)  # no effect once its server runs; harmless
+            return ctx
     return torch.multiprocessing.get_context("spawn")
 
 
-def _how(exitcode: int | None) -> str:
+def _how(exitcode: int | None, what: str) -> str:
     if exitcode is None:
         return "(still running, not answering)"
     if exitcode < 0:
         return f"(killed by {signal.Signals(-exitcode).name})"
+    if what != "start":
+        return f"(exit code {exitcode})"
     return f"(exit code {exitcode}; if this is a script, build the LLM under " \
-           "`if __name__ == '__main__':` -- spawned workers import the main module)"  # fmt: skip
+           "`if __name__ == '__main__':` -- the workers import the main module)"  # fmt: skip
 
 
-def _stop_workers(procs, conns, rendezvous: str, grace: float = 5.0) -> None:
-    """Ask every worker to stop, wait ``grace`` seconds, then terminate and kill what is left.
-    Module-level, holding no reference to the executor, so that ``weakref.finalize`` can run
-    it at garbage collection and at interpreter exit."""
-    message = pickle.dumps(("stop", None, time.monotonic()))
-    for conn in conns:
-        with contextlib.suppress(OSError):  # a worker already gone
-            conn.send_bytes(message)
-    deadline = time.monotonic() + grace
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-    for p in procs:
-        if p.is_alive():
-            p.terminate()
-            p.join(1.0)
-        if p.is_alive():
-            p.kill()
-            p.join(1.0)
-    for conn in conns:
-        conn.close()
-    if os.path.exists(rendezvous):
-        os.unlink(rendezvous)
+def _free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (the workers' rendezvous; nothing is left on disk)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _stop_workers(procs, conns, grace: float = 5.0) -> None:
+    """Ask every worker to stop, wait ``grace`` seconds, then terminate and kill what is left
+    (that part even if a Ctrl-C cuts the wait short). Module-level, holding no reference to
+    the executor, so that ``weakref.finalize`` can run it at garbage collection and at
+    interpreter exit."""
+    try:
+        message = pickle.dumps(("stop", None, time.monotonic()))
+        with held_interrupts():
+            for conn in conns:
+                with contextlib.suppress(OSError):  # a worker already gone
+                    conn.send_bytes(message)
+        deadline = time.monotonic() + grace
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+    finally:
+        with held_interrupts():
+            for p in procs:
+                if p.is_alive():
+                    p.terminate()
+                    p.join(1.0)
+                if p.is_alive():
+                    p.kill()
+                    p.join(1.0)
+            for conn in conns:
+                conn.close()

@@ -112,7 +112,11 @@ class Worker:
     def handle(self, kind: str, payload):
         if kind == "step":
             logits = self.runner.run(payload)  # (S, vocab) float32, the same on every rank
-            return logits.cpu().numpy() if self.rank == 0 else None  # rank 0 answers for all
+            if self.rank == 0:  # rank 0 answers for all (.cpu() waits for the GPU)
+                return logits.cpu().numpy()
+            if logits.is_cuda:  # the others answer when done, so that "busy" is the work
+                torch.cuda.synchronize(logits.device)
+            return None
         if kind == "swap_out":
             return self.kv_cache.swap_out(payload)
         if kind == "swap_in":
@@ -179,19 +183,26 @@ def worker_main(cfg: WorkerConfig, conn) -> None:
         return
     while True:
         try:
-            kind, payload, sent_at = pickle.loads(conn.recv_bytes())
+            message = conn.recv_bytes()
         except (EOFError, OSError):  # the driver is gone: so are we, at once (peers may be
             os._exit(0)  # waiting in a collective that will never complete)
+        try:
+            kind, payload, sent_at = pickle.loads(message)
+        except BaseException:  # e.g. an rpc's function this process cannot import
+            _send(conn, "error", traceback.format_exc())
+            continue
         t0 = time.monotonic()
         if kind == "stop":
             _stop(conn)
             return
         try:
             result = worker.handle(kind, payload)
-        except BaseException:
+            timings = {"received": t0 - sent_at, "busy": time.monotonic() - t0}
+            answer = pickle.dumps(("ok", result, timings), protocol=pickle.HIGHEST_PROTOCOL)
+        except BaseException:  # it raised, or its result cannot be pickled
             _send(conn, "error", traceback.format_exc())
             continue
-        _send(conn, "ok", result, {"received": t0 - sent_at, "busy": time.monotonic() - t0})
+        conn.send_bytes(answer)
 
 
 def _stop(conn) -> None:
