@@ -8,11 +8,13 @@ process) and N = 2 (and 4, ``--sizes 1,2,4``, where the heads divide)::
 
     one engine.step(), as the driver's clock sees it (N > 1):
 
-    schedule  prepare_inputs  send     arrival    busy, per rank             logits    sample
-    ───────── ─────────────── ──────── ────────── ────────────────────────── ───────── ────────
-    driver    driver          pickle   the pipe   forward on 1/N of every    the pipe  driver
-                              once, N  to each    layer, 2 x layers          from
-                              writes   worker     all-reduces                rank 0
+    schedule  prepare_inputs  ├─ send ─┤                                    logits    sample
+                              ├──── arrival ────┤ busy, per rank             ───────── ────────
+    driver    driver          pickle once, N    forward on 1/N of every    the pipe  driver
+                              writes; the pipe  layer, 2 x layers          from
+                              to each worker    all-reduces                rank 0
+
+    (``arrival`` starts with ``send``: it contains it.)
 
 The batch: ``--batch`` B sequences of ``--prompt-len`` P random token ids (seeded; the same ids
 for every N), greedy, ``max_tokens = K + 1`` with EOS ignored, and prefix caching off: one

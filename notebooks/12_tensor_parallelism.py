@@ -50,7 +50,8 @@
 # of 4 tokens; the OPT models of Table 1 appear only as shapes on the meta device. The workers
 # are separate processes that talk through `torch.distributed` (gloo on CPUs; NCCL, one GPU per
 # worker, where the machine has enough GPUs). Starting them takes a few seconds the first time.
-# Tokens, block ids and bytes are the same on every machine; the cells that print times are
+# Block ids and bytes are the same on every machine, and the tokens almost always are (section 3
+# says why not bit for bit); the cells that print times are
 # tagged `timing`: read them for what to look for, not for their values.
 
 # %%
@@ -170,15 +171,16 @@ except PagedLearnError as e:
 # LM head (tied to the token embedding in both models), the final layer norm, each layer's norms
 # and the biases of the row-wise layers (added once, after the sum). vLLM splits the embedding
 # and LM head by vocabulary rows too (`VocabParallelEmbedding`, `ParallelLMHead`); pagedlearn
-# keeps them whole, which costs little for these models and is counted in section 7.
+# keeps them whole: little for OPT at the paper's sizes (0.7% of OPT-66B's weights), but a third
+# of tiny-gpt2's (section 3), and counted in section 7.
 #
 # ## 3. One engine, two workers
 #
 # Two engines with the same settings: `tp1`, the model in this process, and `tp2`, two worker
-# processes. `verbose=False` keeps the constructor quiet, because what it would print includes
-# the workers' process ids, which change on every run; the same facts come from the workers
-# themselves, through `llm.collective_rpc("describe")` (vLLM's name: run a method on every
-# worker, answers by rank).
+# processes. `verbose=False` keeps the constructor quiet (what it would print includes the
+# workers' process ids, which change on every run; the pictures below show them, as labels);
+# the same facts come from the workers themselves, through `llm.collective_rpc("describe")`
+# (vLLM's name: run a method on every worker, answers by rank).
 
 # %%
 kw = dict(block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, device=DEVICE, verbose=False)
@@ -242,8 +244,9 @@ print("the same tokens; every logprob within 1e-4 of one process's")
 # always to the last bit: a row-wise layer computes two partial sums and adds them, which rounds
 # differently from one matrix multiplication over the whole width (float addition is not
 # associative; how the sums are split also depends on the CPU and its threads). With sampling,
-# a near-tie could in principle flip; `tests/test_tensor_parallel.py` checks tokens, logprobs and
-# slabs for forks, beam search, prefix hits, chunked prefill and both kinds of preemption.
+# a near-tie could in principle flip. `tests/test_tensor_parallel.py` checks the tokens for forks,
+# beam search, prefix hits, chunked prefill and both kinds of preemption, the logprobs of greedy
+# decoding, and the slabs after all but the recompute run.
 #
 # ## 4. See it: one block table, two slabs
 #
@@ -319,7 +322,7 @@ print("side by side along the heads, they are one process's slab (within 1e-5), 
 # %% [markdown]
 # The rest of the run, on both engines; the view goes on redrawing, and its last picture is the
 # pool when every request has finished (their full blocks stay cached, light grey). Then the view
-# is closed: it redraws at every step, two rpcs to the workers and a render each time, which
+# is closed: it redraws at every step, one rpc to every worker and a render each time, which
 # would be part of every step measured in section 6.
 
 # %%
@@ -328,7 +331,7 @@ while tp1.engine.has_unfinished_requests():
     tp1.engine.step()
 print("finished:", sorted(o.request_id for o in finished))
 display(view)
-view.close()  # it drew every step, with two rpcs to the workers: not part of what we measure
+view.close()  # it drew every step, with an rpc to the workers: not part of what we measure
 
 # %% [markdown]
 # ## 5. Why the block table needs no synchronisation
@@ -373,8 +376,8 @@ for step, x in enumerate(seen):
 # sequence; the block tables are whole every step, as the paper describes the control message
 # ("the block table for each request"). vLLM V1 sends less: its `SchedulerOutput` carries a new
 # request's block ids once (`NewRequestData.block_ids`) and afterwards only the blocks added
-# since (`CachedRequestData.new_block_ids`, `vllm/v1/core/sched/output.py`); its workers keep
-# the tables.
+# since (`CachedRequestData.new_block_ids`, `vllm/v1/core/sched/output.py`; the whole table
+# again for a request resumed after preemption); its workers keep the tables.
 #
 # What that costs in bytes, against what the step writes into the KV cache of each worker (which
 # never travels: each worker computes its own heads' K/V from the token ids):
@@ -402,7 +405,7 @@ for step, x in enumerate(seen):
 #
 # ```
 # step(N) = driver: schedule, prepare_inputs                       (as with one process)
-#         + send: pickle once, write N pipes  + arrival at each worker
+#         + arrival: pickle once, write N pipes (`send`), each worker reads its copy
 #         + the slowest worker's busy time:   1/N of the layers' matrix multiplications
 #                                           + what is whole on every worker (embeddings, norms,
 #                                             LM head), computed in full by each
@@ -411,12 +414,13 @@ for step, x in enumerate(seen):
 # ```
 #
 # The executor measures the middle part for each message (`runner.last_timings`): `send`,
-# `received` per rank (from the driver's send to the worker's receive, one clock on one machine)
-# and `busy` per rank (from receive to answer). `Worker.time_all_reduce(T)` times one all-reduce
-# of `T` tokens' activations among the workers (the median of 20 back to back; the cell keeps
-# the lowest of three such medians, the one least disturbed by other work). The same batch on both
-# engines: 4 sequences of 32 random token ids, a prefill step of 128 tokens, then 16 decode steps
-# of 4 tokens; five rounds, taking turns, each with new prompts (no prefix hits):
+# `received` per rank (from the start of `send`, before pickling, to the worker's receive: one
+# clock on one machine; it *contains* `send`) and `busy` per rank (from receive to answer).
+# `Worker.time_all_reduce(T)` times one all-reduce of `T` tokens' activations among the workers
+# (the median of 20 back to back; the cell keeps the lowest of three such medians, the one least
+# disturbed by other work). The same batch on both engines: 4 sequences of 32 random token ids, a
+# prefill step of 128 tokens, then 16 decode steps of 4 tokens; five rounds, taking turns, each
+# with new prompts (no prefix hits):
 
 # %% tags=["timing"]
 BATCH, PROMPT_LEN, DECODE_STEPS, ROUNDS = 4, 32, 16, 5
@@ -475,13 +479,15 @@ print(f"threads: {torch.get_num_threads()} for N=1 (this process), {(CORES or 1)
 # %% [markdown]
 # What to look for. Start with N=1's whole step: a 2-layer, 64-wide model's forward, the
 # scheduler and sampling. Then put beside it each part of N=2's step that one process does not
-# have: `send`, the arrivals, and the four all-reduces of the last lines. Halving tiny-gpt2's
+# have: the later of the two arrivals (it contains `send`: count it once), and the four
+# all-reduces of the last lines. Halving tiny-gpt2's
 # compute can save at most half of N=1's forward, so wherever those parts are larger than that,
 # N=2 is slower than N=1, whatever the machine.
 #
 # Then compare each worker's `busy` with N=1's step plus the all-reduce line. `busy` holds the
-# worker's share of the compute and its four all-reduces; if it is well above that sum, the
-# all-reduces inside the step cost more than twenty back to back. In a step each all-reduce ends
+# worker's input preparation, its share of the compute, what is whole on every worker, and its
+# four all-reduces; if it is well above that sum, the all-reduces cost more inside the step than
+# the same all-reduce timed alone (the lines above). In a step each all-reduce ends
 # only when the later worker has joined it (compare the two arrivals), a worker that waits is put
 # to sleep and must be woken when the other's data arrive, and on a machine with as few cores as
 # workers plus one driver they also take turns on the cores.
@@ -495,9 +501,10 @@ print(f"threads: {torch.get_num_threads()} for N=1 (this process), {(CORES or 1)
 # does not fit one, not to make a small one faster; exercise 2 measures a larger model.
 #
 # Above, `send` is the pickling and writing of the step message, and `arrival` the time from the
-# driver's send until each worker has read it. vLLM V1 broadcasts its `SchedulerOutput` through a
-# shared-memory message queue (`MessageQueue` in `multiproc_executor.py`) instead of one pipe per
-# worker; on GPUs its all-reduces go through NCCL (or custom all-reduce kernels), not gloo.
+# start of `send` until each worker has read it. vLLM V1 broadcasts its `SchedulerOutput` through
+# a shared-memory message queue (`MessageQueue`, `vllm/distributed/device_communicators/
+# shm_broadcast.py`, used by `multiproc_executor.py`) instead of one pipe per worker; on GPUs its
+# all-reduces go through NCCL (or custom all-reduce kernels), not gloo.
 #
 # ## 7. The memory arithmetic: the paper's Table 1
 #
@@ -516,16 +523,17 @@ print(f"threads: {torch.get_num_threads()} for N=1 (this process), {(CORES or 1)
 # (GiB against GB) and the reserve a real server keeps aside are worked out in its docstring:
 
 # %%
-rows = table1()  # at the default gpu_memory_utilization of 0.90
+rows = table1()  # table1()'s default utilization: 0.90 (vLLM 0.33's default: 0.92)
 print(format_table1(rows))
 
 # %% [markdown]
 # Reading it: with all of each GPU for weights and KV ("slots with no reserve"), the three
 # settings would hold 21.0K, 17.1K and 71.6K token slots; the paper's 15.7K, 9.7K and 60.1K are
 # fewer, because a server keeps memory aside (activations, the runtime): the reserve the
-# paper's slots imply is about 4.1 GiB per A100-40GB and 6.3 GiB per A100-80GB. With 10% of each
-# GPU kept aside (`gpu_memory_utilization=0.90`, the default of earlier vLLM releases; v0.33's
-# is 0.92), the per-worker formula comes within +0.7%, +1.3% and -5.1% of the paper. Its "Memory
+# paper's slots imply is about 4.1 GiB per A100-40GB and 6.3 GiB per A100-80GB. Modelling the
+# whole reserve as 10% of each GPU (what `gpu_memory_utilization=0.90` leaves unused; vLLM also
+# takes its profiled activations out of the rest), the per-worker formula comes within +0.7%,
+# +1.3% and -5.1% of the paper. Its "Memory
 # for KV cache" column reads as GiB (12, 21, 264: the paper's slot counts come out of it only in
 # GiB); its "Parameter size" column is decimal GB (26, 132, 346 against our 25.7, 131.4, 349.2).
 # The last number of each line is what pagedlearn's own split would leave, with the embeddings
@@ -546,9 +554,10 @@ for name in OPT_SIZES:
 # %% [markdown]
 # Two GPUs give OPT-13B 3.5 times the slots of one, four give 8.5 times: every GPU added brings
 # 40 GiB, and the 23.9 GiB of weights are paid only once. What N does not cancel from is whether
-# the model fits at all: on N GPUs each holds `W/N`, so OPT-66B needs four 40 GiB GPUs (its
-# Table 1 setting) and OPT-175B twelve -- or six of 80 GiB: on eight 40 GiB GPUs, the count the
-# paper used, each would have to hold 40.65 GiB of weights.
+# the model fits at all: on N GPUs each holds `W/N`, and N must divide the heads, so OPT-66B
+# needs four 40 GiB GPUs (its Table 1 setting) and OPT-175B twelve (not nine: nine do not divide
+# its 96 heads) -- or six of 80 GiB. On eight 40 GiB GPUs (the paper's count, though its GPUs
+# have 80 GB) each would have to hold 40.65 GiB of weights.
 #
 # ## 8. Shutting the workers down
 #

@@ -26,11 +26,14 @@ queue; the tensors the workers exchange mid-forward go through ``torch.distribut
 workers start once, from a fresh interpreter (``forkserver``, or ``spawn`` where there is no
 fork server), never by forking the driver: safe with CUDA and threads. Like every process that
 ``multiprocessing`` starts that way, a worker imports the driver's main module first, so a
-script must build its ``LLM`` under ``if __name__ == "__main__":`` (as with vLLM).
+script must build its ``LLM`` under ``if __name__ == "__main__":`` (as with vLLM when it
+spawns its workers, which it does once CUDA is initialized).
 
-What can go wrong, and what then: a worker that dies (its process sentinel fires), raises, or
-does not answer within ``step_timeout`` seconds raises :class:`~pagedlearn.errors.WorkerError`
-naming it; every worker is then stopped and the engine refuses more work. ``shutdown()``,
+What can go wrong, and what then: a worker that dies (its process sentinel fires), raises in a
+step, a copy or a swap, or does not answer within ``step_timeout`` seconds (``start_timeout``
+while starting) raises :class:`~pagedlearn.errors.WorkerError` naming it; every worker is then
+stopped and the engine refuses more work. (A ``collective_rpc`` function that raises only
+raises a ``PagedLearnError``; the workers go on.) ``shutdown()``,
 garbage collection and interpreter exit stop the workers (``weakref.finalize``); a worker
 whose driver dies exits when its pipe closes.
 """
@@ -240,7 +243,7 @@ class TensorParallelExecutor:
 
 
 # What a worker imports before it can do anything: a fork server imports them once, then forks
-# every worker from it (a second LLM's workers start in a fraction of the time).
+# every worker from it (a second LLM's workers skip those imports).
 PRELOAD = ["pagedlearn.parallel.worker", "transformers.models.gpt2.modeling_gpt2",
            "transformers.models.opt.modeling_opt"]  # fmt: skip
 

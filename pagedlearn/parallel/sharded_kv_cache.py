@@ -76,7 +76,7 @@ class ShardedKVCache:
         if not pairs:
             return
         if not self.has_swap_pool:
-            raise PagedLearnError("this KV cache has no CPU swap pool (num_cpu_blocks=0)")
+            raise PagedLearnError("the workers' KV caches have no CPU swap pool (swap_blocks=0)")
         t0 = time.perf_counter()
         self.executor.call(kind, list(pairs))
         self.copy_seconds[kind] += time.perf_counter() - t0

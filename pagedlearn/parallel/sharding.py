@@ -15,18 +15,22 @@ rows*::
 Attention is computed per head, so a worker that holds heads ``r*H/N ..`` needs only *their*
 keys and values: its KV cache holds ``num_kv_heads / N`` heads, at the same block ids as every
 other worker's. Two all-reduces per layer (one after attention, one after the MLP) are the only
-talk between workers; embeddings, layer norms and the LM head are replicated (vLLM also splits
-the vocabulary; for GPT-2 and OPT it is a small part of the weights).
+talk between workers; embeddings, layer norms and the LM head are replicated. vLLM splits the
+vocabulary too; pagedlearn keeps it whole: 0.4-2% of the weights of OPT-13B to OPT-175B, but a
+third of GPT-2 small's and of the tiny models'.
 
 How: transformers' own tensor-parallel styles, the ones ``from_pretrained(..., tp_plan="auto")``
 applies to Llama and friends. :func:`tensor_parallel_plan` names, per model type, which modules
-are ``"colwise"`` and which ``"rowwise"`` (the format of a config's ``base_model_tp_plan``; vLLM
+are ``"colwise"`` and which ``"rowwise"`` (pattern -> style, as in a config's
+``base_model_tp_plan``, but named from the top module; vLLM
 calls them ``ColumnParallelLinear`` / ``RowParallelLinear``); transformers ships no plan for GPT-2
 or OPT, so the plans live here. :func:`shard_model` keeps each rank's slice of those weights (as
-DTensors over a ``torch.distributed`` ``DeviceMesh``) and installs transformers' forward hooks,
+DTensors over a ``torch.distributed`` ``DeviceMesh``) and replaces each module's ``forward``
+with transformers' (``install_forward``),
 which, without gradients, multiply by the local slice and ``all_reduce`` the row-parallel output
 (adding its bias once, after the sum). PyTorch's ``parallelize_module`` does the same with its
-own ``ColwiseParallel`` / ``RowwiseParallel``, but keeps every activation a DTensor: measured on
+own ``ColwiseParallel`` / ``RowwiseParallel``, but runs every sharded matmul through DTensor
+dispatch: measured on
 two CPU cores, a forward of the 12-layer gpt2-size-random took 734 ms that way against 85 ms
 this way (tiny-gpt2: 92 ms against 6 ms), so it is not used. Two things neither API does are
 done first:

@@ -2,8 +2,9 @@
 
 The driver (executor.py) starts N of these with :func:`worker_main`. Each one::
 
+    receive the model
     join the process group (torch.distributed: gloo on CPUs, NCCL on GPUs)
-    receive the model, keep its share of every layer (sharding.py)
+    keep its share of every layer (sharding.py)
     allocate its KV slab: all num_blocks blocks, but only num_kv_heads / N heads
     loop: receive a message, do it, answer
         "step"     StepInputs -> write K/V at the slots, attend through the block tables, and

@@ -15,9 +15,10 @@ So a token slot means the same on every worker (the block manager keeps one bloc
 of them), and what sets the number of slots is the memory left over in total, N*M - W: N GPUs
 do not multiply the slots by N, they add N*M bytes and pay for the weights once (OPT-13B on 1,
 2, 4 A100-40GB: 21.0K, 73.5K, 178.3K slots; :func:`format_scaling`). What N does not cancel
-from is whether the model fits at all: W/N must stay below M. OPT-66B's 122 GiB of weights need
-4 A100-40GB (on 3, each would hold 40.8 GiB); OPT-175B's 325 GiB need 12 of them (on 8, each
-would hold 40.65 GiB) or 6 A100-80GB: one reason Table 1 uses 80 GB GPUs for it (fewest_gpus).
+from is whether the model fits at all: W/N must stay below M, and N must divide the heads.
+OPT-66B's 122 GiB of weights need 4 A100-40GB (on 3, each would hold 40.8 GiB); OPT-175B's
+325 GiB need 12 of them (9 would hold it, but do not divide its 96 heads; on 8, each would
+hold 40.65 GiB) or 6 A100-80GB: one reason Table 1 uses 80 GB GPUs for it (fewest_gpus).
 
 W/N is the ideal split of *every* weight. Megatron-LM and vLLM come close: they split the token
 embedding and the LM head by vocabulary rows (vLLM keeps OPT's position embedding, 0.01% of
