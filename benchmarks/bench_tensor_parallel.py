@@ -29,8 +29,10 @@ Per step, medians: ``step`` = ``engine.step()``'s wall time; ``forward`` = its
 ``driver = step - forward`` (scheduler, block manager, sampling). For N > 1, from the executor's
 ``last_timings`` after each step: ``send`` (pickle once + write N pipes), ``arrival`` = the
 latest rank's ``received`` (driver's send start -> worker's receive), ``busy`` per rank (its
-forward with the all-reduces), and ``return = forward - max over ranks (received + busy)``
-(prepare_inputs, rank 0's logits through the pipe, log-softmax). The all-reduces alone, after
+forward with the all-reduces), ``wait`` per rank (the part of ``busy`` spent inside the
+all-reduces the forward made: ``worker.AllReduceClock``), and ``return = forward - max over ranks
+(received + busy)`` (prepare_inputs, rank 0's logits through the pipe, log-softmax). The
+all-reduces alone, after
 each timed round: ``Worker.time_all_reduce(T)`` (``collective_rpc``) times one all-reduce of a
 ``(T, hidden)`` activation for the step's T tokens, and ``per step = 2 x num_layers x that``.
 Also the bytes of the step message (``pickle.dumps(StepInputs)``) and of the logits coming back
@@ -122,6 +124,7 @@ def one_round(llm: LLM, prompts, steps: int, tag: str, capture: list | None = No
             if tp:
                 t = engine.runner.last_timings
                 rec["send"], rec["received"], rec["busy"] = t["send"], t["received"], t["busy"]
+                rec["all_reduce"] = t["all_reduce"]
             records.append(rec)
             for o in outs:
                 tokens[o.request_id] = list(o.outputs[0].token_ids)
@@ -145,6 +148,7 @@ def derived(rec: dict) -> dict:
         end = max(rec["received"][r] + rec["busy"][r] for r in ranks)
         d["send"], d["arrival"] = rec["send"], max(rec["received"].values())
         d.update({f"busy{r}": rec["busy"][r] for r in ranks})
+        d.update({f"wait{r}": rec["all_reduce"][r] for r in ranks})
         d["return"] = rec["forward"] - end
     return d
 
@@ -274,6 +278,13 @@ def report(res: dict) -> None:
                 f"{tokens * hidden * 4:,} B takes {ms(ar)} ms alone (per round: the slowest "
                 f"rank's median of 20); per step = 2 x {layers} layers x {ar['median'] * MS:.3f} "
                 f"= {per_step * MS:.3f} ms = {100 * per_step / busy0:.0f}% of rank 0's busy"
+            )
+            waits = [st[f"wait{r}"] for r in range(n)]
+            print(
+                "        in the step, the all-reduces the forward made took (worker."
+                "AllReduceClock): "
+                + ", ".join(f"rank {r} {ms(x)}" for r, x in enumerate(waits))
+                + f" ms; rank 0's busy without them: {(busy0 - waits[0]['median']) * MS:.3f} ms"
             )
             print(
                 f"        rank 0's busy - all-reduces = {(busy0 - per_step) * MS:.3f} ms: 1/{n} "

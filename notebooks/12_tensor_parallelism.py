@@ -466,6 +466,9 @@ for phase, prefill in (("prefill (128 tokens)", True), ("decode (4 tokens)", Fal
           + ", ".join(f"rank {k} {med([tm['busy'][k] for _, tm in rows]):.2f}" for k in (0, 1))
           + f" ms; send to the last worker's answer {window:.2f} ms; the rest (driver, "
           f"logits back) {two - window:.2f} ms")  # fmt: skip
+    print("  N=2: of busy, inside the step's all-reduces: "
+          + ", ".join(f"rank {k} {med([tm['all_reduce'][k] for _, tm in rows]):.2f}"
+                      for k in (0, 1)) + " ms")  # fmt: skip
 layers = tp2.engine.model.config.n_layer
 for tokens in (BATCH, BATCH * PROMPT_LEN):
     # The slower worker's median of 20; the lowest of three such: the least disturbed.
@@ -484,12 +487,13 @@ print(f"threads: {torch.get_num_threads()} for N=1 (this process), {(CORES or 1)
 # compute can save at most half of N=1's forward, so wherever those parts are larger than that,
 # N=2 is slower than N=1, whatever the machine.
 #
-# Then compare each worker's `busy` with N=1's step plus the all-reduce line. `busy` holds the
-# worker's input preparation, its share of the compute, what is whole on every worker, and its
-# four all-reduces; if it is well above that sum, the all-reduces cost more inside the step than
-# the same all-reduce timed alone (the lines above). In a step each all-reduce ends
-# only when the later worker has joined it (compare the two arrivals), a worker that waits is put
-# to sleep and must be woken when the other's data arrive, and on a machine with as few cores as
+# Then look inside each worker's `busy`: it holds the worker's input preparation, its share of
+# the compute, what is whole on every worker, and its four all-reduces, which the worker times
+# as it makes them (`all_reduce` in `last_timings`: the clock around each `dist.all_reduce` the
+# forward calls, `AllReduceClock` in `parallel/worker.py`). Compare that with the same
+# all-reduce timed alone (the last lines, times four). Timed alone, both workers enter each
+# all-reduce together; in a step, each all-reduce ends only when the later worker has joined it
+# (compare the two arrivals: the first to arrive waits), and on a machine with as few cores as
 # workers plus one driver they also take turns on the cores.
 #
 # Every number is a median, but a burst of other work on a shared machine can still move one (the

@@ -54,7 +54,7 @@ def test_quick_run_compares_one_and_two_workers(tmp_path):
         assert rows["2"].group(3) == f"{s2 / s1:.2f}"
         # every breakdown quantity of N=2, each a median with its spread
         assert set(two[phase]) == {"step", "forward", "driver", "send", "arrival", "busy0",
-                                   "busy1", "return"}  # fmt: skip
+                                   "busy1", "wait0", "wait1", "return"}  # fmt: skip
         assert set(one[phase]) == {"step", "forward", "driver"}
         for stat in two[phase].values():
             assert stat["min"] <= stat["max"]
@@ -80,11 +80,13 @@ def test_quick_run_compares_one_and_two_workers(tmp_path):
 
 def test_breakdown_of_one_step_follows_the_printed_formulas(bench):
     rec = {"tokens": 8, "step": 0.010, "forward": 0.008, "send": 0.001,
-           "received": {0: 0.002, 1: 0.003}, "busy": {0: 0.004, 1: 0.0035}}  # fmt: skip
+           "received": {0: 0.002, 1: 0.003}, "busy": {0: 0.004, 1: 0.0035},
+           "all_reduce": {0: 0.001, 1: 0.0012}}  # fmt: skip
     d = bench.derived(rec)
     assert d["driver"] == pytest.approx(0.002)  # step - forward
     assert d["arrival"] == 0.003  # the latest rank's arrival
     assert (d["busy0"], d["busy1"]) == (0.004, 0.0035)
+    assert (d["wait0"], d["wait1"]) == (0.001, 0.0012)  # the all-reduces inside busy
     assert d["return"] == pytest.approx(0.008 - 0.0065)  # forward - max(received + busy)
     assert set(bench.derived({"step": 0.01, "forward": 0.008})) == {"step", "forward", "driver"}
 

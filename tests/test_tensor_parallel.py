@@ -100,6 +100,14 @@ def test_greedy_tokens_logprobs_and_slabs_match(swap_pair):
             for tok in x:
                 assert abs(x[tok].logprob - y[tok].logprob) < 1e-4
     torch.testing.assert_close(slab(swap_pair[1]), slab(swap_pair[0]), atol=1e-5, rtol=1e-5)
+    swap_pair[1].engine.add_request("timed", "Hello", GREEDY)
+    swap_pair[1].engine.step()  # a step's timings: both ranks, all-reduces inside its busy time
+    t = swap_pair[1].engine.runner.last_timings
+    assert sorted(t["busy"]) == sorted(t["all_reduce"]) == [0, 1]
+    assert all(0 < t["all_reduce"][r] <= t["busy"][r] for r in (0, 1))
+    while swap_pair[1].engine.has_unfinished_requests():
+        swap_pair[1].engine.step()
+    swap_pair[0].generate(["Hello"], GREEDY, use_tqdm=False)  # the twin does the same work
 
 
 def test_sampling_forks_beams_prefix_hits_and_chunked_prefill_match(swap_pair):

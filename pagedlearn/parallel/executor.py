@@ -97,7 +97,9 @@ class TensorParallelExecutor:
         self.size, self.spec, self.backend = size, spec, backend
         self.num_groups = len(spec.groups)
         self.dead: str | None = None  # why the workers cannot be used any more
-        self.last_timings: dict = {}  # the last message's: send, received (per rank), busy
+        # The last message's: send; per rank received, busy, and all_reduce (the seconds of
+        # busy spent in all-reduces: worker.AllReduceClock).
+        self.last_timings: dict = {}
         self._outstanding: set[int] = set()  # ranks whose answer a Ctrl-C left unread
         self._pending = ""  # the kind of message those answers belong to
         self._busy = threading.Lock()  # one message at a time: the pipes carry no request ids
@@ -177,7 +179,7 @@ class TensorParallelExecutor:
     # --- waiting for answers --------------------------------------------------------------------
     def _collect(self, what: str, timeout: float) -> list:
         results: list = [None] * self.size
-        received, busy, errors = {}, {}, []
+        received, busy, reducing, errors = {}, {}, {}, []
         deadline = time.monotonic() + timeout
         while self._outstanding:
             waiting = {self.conns[r]: r for r in self._outstanding}
@@ -201,6 +203,7 @@ class TensorParallelExecutor:
                     results[rank] = answer[1]
                     received[rank] = answer[2].get("received")
                     busy[rank] = answer[2].get("busy")
+                    reducing[rank] = answer[2].get("all_reduce")
             if errors and what != "rpc":  # the others may wait for it in a collective: now
                 rank, text = errors[0]
                 self._fail(f"{self._name(rank)} raised while working on {what!r}:\n{text}")
@@ -211,7 +214,7 @@ class TensorParallelExecutor:
                     code = self.procs[rank].exitcode
                     self._fail(f"{self._name(rank)} died {_how(code, what)} while working on "
                                f"{what!r}")  # fmt: skip
-        self.last_timings = {"received": received, "busy": busy}
+        self.last_timings = {"received": received, "busy": busy, "all_reduce": reducing}
         if errors:  # an rpc: the user's function raised; the workers are fine
             rank, text = errors[0]
             raise PagedLearnError(f"collective_rpc failed on {self._name(rank)}:\n{text}")

@@ -131,6 +131,34 @@ class Worker:
         raise ValueError(f"unknown message {kind!r}")
 
 
+class AllReduceClock:
+    """The seconds this worker spends inside ``torch.distributed.all_reduce`` -- the calls the
+    row-parallel layers make in the forward -- and how many, since the last :meth:`reset`.
+    Timed alone (:meth:`Worker.time_all_reduce`), an all-reduce of both workers arriving
+    together is faster than one in a step, where the first to arrive waits for the other: this
+    clock measures the latter. On a GPU, NCCL's all-reduce returns once queued: it times the
+    launch (use a profiler there)."""
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+
+        self.seconds, self.count = 0.0, 0
+        real = dist.all_reduce
+
+        def timed(*args, **kwargs):  # transformers calls dist.all_reduce: this, in a worker
+            t0 = time.perf_counter()
+            try:
+                return real(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - t0
+                self.count += 1
+
+        dist.all_reduce = timed
+
+    def reset(self) -> None:
+        self.seconds, self.count = 0.0, 0
+
+
 def _local(p: torch.Tensor) -> torch.Tensor:
     """A parameter's own shard (a DTensor's local tensor), or the parameter if replicated."""
     return p.to_local() if hasattr(p, "to_local") else p
@@ -155,13 +183,16 @@ def _start(cfg: WorkerConfig, model) -> Worker:
         timeout=timedelta(seconds=cfg.timeout_s),
     )
     mesh = init_device_mesh(dev.type, (cfg.world_size,))
+    clock = AllReduceClock()
     spec = kv_cache_spec(model)  # the whole model's: read before the heads are split
     model = model.to(dev)
     shard_model(model, mesh)  # keeps this rank's columns / rows; all-reduce after the row halves
     spec = spec.split_heads(cfg.world_size)
     cache = KVCache(spec, cfg.num_blocks, cfg.block_size, dev, cfg.swap_blocks)
     runner = ModelRunner(model, cache, cfg.attention_backend)
-    return Worker(cfg.rank, cfg.world_size, model, cache, runner)
+    worker = Worker(cfg.rank, cfg.world_size, model, cache, runner)
+    worker.all_reduce_clock = clock
+    return worker
 
 
 def _send(conn, *message) -> None:
@@ -173,7 +204,9 @@ def worker_main(cfg: WorkerConfig, conn) -> None:
 
     Every answer is ``("ok", result, timings)`` or ``("error", traceback text)``; ``timings``
     says how long the message took to arrive (``received``: the driver's clock at sending to
-    this worker's at receiving, one monotonic clock on one machine) and to handle (``busy``)."""
+    this worker's at receiving, one monotonic clock on one machine), to handle (``busy``), and
+    how much of that was spent in all-reduces (``all_reduce`` seconds, ``all_reduces`` calls:
+    :class:`AllReduceClock`)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's to handle
     try:
         model = pickle.loads(conn.recv_bytes())  # the driver's model: every rank the same weights
@@ -196,9 +229,12 @@ def worker_main(cfg: WorkerConfig, conn) -> None:
         if kind == "stop":
             _stop(conn)
             return
+        clock = worker.all_reduce_clock
+        clock.reset()
         try:
             result = worker.handle(kind, payload)
-            timings = {"received": t0 - sent_at, "busy": time.monotonic() - t0}
+            timings = {"received": t0 - sent_at, "busy": time.monotonic() - t0,
+                       "all_reduce": clock.seconds, "all_reduces": clock.count}  # fmt: skip
             answer = pickle.dumps(("ok", result, timings), protocol=pickle.HIGHEST_PROTOCOL)
         except BaseException:  # it raised, or its result cannot be pickled
             _send(conn, "error", traceback.format_exc())
