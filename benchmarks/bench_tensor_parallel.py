@@ -284,12 +284,9 @@ def report(res: dict) -> None:
                 "        in the step, the all-reduces the forward made took (worker."
                 "AllReduceClock): "
                 + ", ".join(f"rank {r} {ms(x)}" for r, x in enumerate(waits))
-                + f" ms; rank 0's busy without them: {(busy0 - waits[0]['median']) * MS:.3f} ms"
-            )
-            print(
-                f"        rank 0's busy - all-reduces = {(busy0 - per_step) * MS:.3f} ms: 1/{n} "
-                "of every layer + the whole embeddings and LM head (replicated); N=1's forward: "
-                f"{one['forward']['median'] * MS:.3f}"
+                + f" ms; rank 0's busy without them: {(busy0 - waits[0]['median']) * MS:.3f} ms "
+                f"(1/{n} of every layer + the whole embeddings and LM head); N=1's forward: "
+                f"{one['forward']['median'] * MS:.3f} ms"
             )
             parts = [st["driver"]["median"] - one["driver"]["median"], st["arrival"]["median"],
                      busy0 - one["forward"]["median"], st["return"]["median"]]  # fmt: skip
