@@ -1,5 +1,7 @@
 """Helpers shared by the tests (imported as ``from helpers import ...``)."""
 
+import importlib
+import sys
 from pathlib import Path
 
 from pagedlearn import KVCacheManager
@@ -68,3 +70,13 @@ def lost_points(outcomes: list[Outcome], phrase: str) -> list[Outcome]:
     assert lost, "this mistake gets full marks"
     assert any(phrase in o.message for o in lost), [o.message for o in lost]
     return lost
+
+
+def import_benchmark(name: str):
+    """``benchmarks/<name>.py`` as a module (a script there may import its neighbours)."""
+    folder = str(Path(__file__).resolve().parent.parent / "benchmarks")
+    sys.path.insert(0, folder)
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(folder)

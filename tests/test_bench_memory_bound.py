@@ -3,7 +3,6 @@ one KV budget, every request completed by each, and the formulas; its batching r
 repeats are reported as a median and a range, per-repeat ratios included. Timings are printed,
 never asserted."""
 
-import importlib
 import os
 import re
 import subprocess
@@ -11,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import import_benchmark
 
 ROOT = Path(__file__).resolve().parent.parent
 SYSTEMS = ("paged engine", "reservation engine", "generate() in reserved batches")
@@ -26,11 +26,7 @@ RATIO = r"^paged / {name}: req/s \d+\.\d\dx \(\d+\.\d\dx-\d+\.\d\dx\) \(median \
 @pytest.fixture(scope="module")
 def bench():
     """The script as a module (it imports its neighbour, bench_engine)."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        return importlib.import_module("bench_memory_bound")
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    return import_benchmark("bench_memory_bound")
 
 
 def run_bench(*args) -> subprocess.CompletedProcess:

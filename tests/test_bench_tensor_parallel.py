@@ -2,7 +2,6 @@
 the same batch, prints both rows, the breakdown with its formulas, and N = 2's tokens agree with
 N = 1's. Structure and arithmetic only: no timing is asserted."""
 
-import importlib
 import json
 import re
 import subprocess
@@ -10,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import import_benchmark
 
 ROOT = Path(__file__).resolve().parent.parent
 NUM = r"-?\d+\.\d{3}"
@@ -18,11 +18,7 @@ SPREAD = rf"{NUM} \[{NUM}-{NUM}\]"  # median [min-max of the rounds' medians], m
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        return importlib.import_module("bench_tensor_parallel")
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    return import_benchmark("bench_tensor_parallel")
 
 
 def test_quick_run_compares_one_and_two_workers(tmp_path):
