@@ -205,20 +205,27 @@ class TensorParallelExecutor:
                     busy[rank] = answer[2].get("busy")
                     reducing[rank] = answer[2].get("all_reduce")
             if errors and what != "rpc":  # the others may wait for it in a collective: now
+                # A peer that died makes the others' collectives fail ("connection reset"): if
+                # one did, its death is the cause to report.
+                dead = wait([p.sentinel for p in self.procs], timeout=0.5)
+                if dead:
+                    self._died(sentinels[dead[0]], what)
                 rank, text = errors[0]
                 self._fail(f"{self._name(rank)} raised while working on {what!r}:\n{text}")
             for obj in ready:
                 rank = sentinels.get(obj)
                 if rank in self._outstanding:  # exited with its answer still due
-                    self.procs[rank].join(1.0)
-                    code = self.procs[rank].exitcode
-                    self._fail(f"{self._name(rank)} died {_how(code, what)} while working on "
-                               f"{what!r}")  # fmt: skip
+                    self._died(rank, what)
         self.last_timings = {"received": received, "busy": busy, "all_reduce": reducing}
         if errors:  # an rpc: the user's function raised; the workers are fine
             rank, text = errors[0]
             raise PagedLearnError(f"collective_rpc failed on {self._name(rank)}:\n{text}")
         return results
+
+    def _died(self, rank: int, what: str):
+        self.procs[rank].join(1.0)
+        how = _how(self.procs[rank].exitcode, what)
+        self._fail(f"{self._name(rank)} died {how} while working on {what!r}")
 
     def _name(self, rank: int) -> str:
         return f"tensor-parallel worker {rank} (pid {self.procs[rank].pid})"
