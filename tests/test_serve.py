@@ -359,6 +359,8 @@ def test_stream_include_usage(srv, client):
 
 
 def test_models_health_and_metrics(srv, client):
+    # One request of its own: under pytest-xdist this test may run before any other of the file.
+    client.completions.create(model=srv.model_name, prompt="Hi", max_tokens=2, temperature=0)
     models = client.models.list().data
     assert [m.id for m in models] == ["tiny-gpt2"] and models[0].owned_by == "pagedlearn"
     assert models[0].model_extra["max_model_len"] == srv.engine.max_model_len
@@ -376,7 +378,7 @@ def test_models_health_and_metrics(srv, client):
         (s.labels["pool"], s.labels["state"]) for s in fams["pagedlearn_kv_cache_blocks"].samples
     }
     assert ("gpu", "used") in states
-    assert fams["pagedlearn_request_success"].samples  # the requests above, counted
+    assert fams["pagedlearn_request_success"].samples  # the request above, counted
 
 
 # --- the engine loop and the handle, without HTTP -------------------------------------------------
