@@ -282,7 +282,9 @@ def test_two_threads_at_once_are_told_to_use_one(swap_pair):
     llm = swap_pair[1]
     slow = threading.Thread(target=llm.collective_rpc, args=(_sleep, (1.0,)))
     slow.start()
-    time.sleep(0.3)
+    deadline = time.monotonic() + 10
+    while not llm.engine.runner._busy.locked() and time.monotonic() < deadline:
+        time.sleep(0.01)  # until the other thread is inside its call
     try:
         with pytest.raises(PagedLearnError, match="two threads used the tensor-parallel workers"):
             llm.collective_rpc("describe")
