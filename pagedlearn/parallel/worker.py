@@ -185,14 +185,33 @@ def _start(cfg: WorkerConfig, model) -> Worker:
     mesh = init_device_mesh(dev.type, (cfg.world_size,))
     clock = AllReduceClock()
     spec = kv_cache_spec(model)  # the whole model's: read before the heads are split
-    model = model.to(dev)
+    # Shard first, on the CPU: each planned weight goes to the device one at a time and only
+    # this rank's slice stays there (torch's distribute_tensor); then the rest, which every
+    # rank holds whole. So a GPU never holds the whole model.
     shard_model(model, mesh)  # keeps this rank's columns / rows; all-reduce after the row halves
+    _move_whole_parts(model, dev)
     spec = spec.split_heads(cfg.world_size)
     cache = KVCache(spec, cfg.num_blocks, cfg.block_size, dev, cfg.swap_blocks)
     runner = ModelRunner(model, cache, cfg.attention_backend)
     worker = Worker(cfg.rank, cfg.world_size, model, cache, runner)
     worker.all_reduce_clock = clock
     return worker
+
+
+def _move_whole_parts(model, dev: torch.device) -> None:
+    """Move the parameters and buffers that are not shards (embeddings, norms, row-wise biases)
+    to ``dev``, keeping tied ones tied (GPT-2's and OPT's LM head is the token embedding)."""
+    moved: dict[int, torch.nn.Parameter] = {}
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is None or hasattr(p, "to_local"):  # a DTensor shard: already on the device
+                continue
+            if id(p) not in moved:
+                moved[id(p)] = torch.nn.Parameter(p.data.to(dev), requires_grad=p.requires_grad)
+            module._parameters[name] = moved[id(p)]
+        for name, b in list(module._buffers.items()):
+            if b is not None:
+                module._buffers[name] = b.to(dev)
 
 
 def _send(conn, *message) -> None:
