@@ -32,7 +32,7 @@ test: lint  ## the whole suite, as CI runs it (.ci/run calls this)
 test-all: lint  ## also the slow and GPU tiers
 	$(BIN)/python -m pytest $(PYTEST_FLAGS) -m "not browser"
 
-# Chapter 06 in JupyterLab in a real Chromium, driven by Playwright (tests/browser/). Needs a
+# Chapters 06 and 12 in JupyterLab in a real Chromium, driven by Playwright (tests/browser/). Needs a
 # Chromium on the machine (Debian: `apt install chromium`; CHROMIUM=/path/to/it for another);
 # Playwright never downloads a browser here.
 test-browser: $(STAMP)
