@@ -13,6 +13,7 @@ Playwright is imported by the caller (the fixtures skip without it); this module
 
 from __future__ import annotations
 
+import contextlib
 import io
 import time
 
@@ -140,6 +141,27 @@ class NotebookPage:
 
     def screenshot(self, path) -> None:
         self.page.screenshot(path=str(path))
+
+
+@contextlib.contextmanager
+def chapter_after_run_all(lab, browser, stem: str, timeout_s: float, final_shot):
+    """A new page with a fresh copy of chapter ``stem`` open in ``lab``, after Run > Run All
+    Cells (``nb.run_all_s``: how long that took). On the way out, whatever happened, it saves a
+    screenshot to ``final_shot``, prints both, and closes the page."""
+    page = browser.new_page(viewport={"width": 1600, "height": 1000})
+    nb = NotebookPage(page)
+    t0 = time.monotonic()
+    try:
+        name = lab.copy_chapter(stem)
+        nb.open(lab.url(name), name)
+        nb.run("notebook:run-all-cells", timeout_s)
+        nb.run_all_s = time.monotonic() - t0
+        yield nb
+    finally:
+        nb.screenshot(final_shot)
+        print(f"\nscreenshot: {final_shot}")
+        print(f"browser tier: {time.monotonic() - t0:.0f} s with the page open")
+        page.close()
 
 
 def problems(cells: list[dict]) -> list[str]:

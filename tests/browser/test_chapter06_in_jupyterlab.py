@@ -47,11 +47,18 @@ printed: look at them when a test fails.
 from __future__ import annotations
 
 import re
-import time
 
 import pytest
 
-from .lab_driver import BROKEN, WIDGET_MIME, NotebookPage, changed, pixels, problems
+from .lab_driver import (
+    BROKEN,
+    WIDGET_MIME,
+    NotebookPage,
+    changed,
+    chapter_after_run_all,
+    pixels,
+    problems,
+)
 
 pytestmark = pytest.mark.browser
 
@@ -76,19 +83,9 @@ live.engine.add_request("extra", "Once upon a time", SamplingParams(max_tokens=8
 @pytest.fixture(scope="module")
 def notebook(lab, browser, shots):
     """Chapter 06 open in JupyterLab, after Run > Run All Cells."""
-    page = browser.new_page(viewport={"width": 1600, "height": 1000})
-    nb = NotebookPage(page)
-    t0 = time.monotonic()
-    try:
-        name = lab.copy_chapter(CHAPTER)
-        nb.open(lab.url(name), name)
-        nb.run("notebook:run-all-cells", RUN_ALL_S)
-        nb.run_all_s = time.monotonic() - t0
+    final = shots / "chapter06_final.png"
+    with chapter_after_run_all(lab, browser, CHAPTER, RUN_ALL_S, final) as nb:
         yield nb
-    finally:
-        _shoot(nb, shots / "chapter06_final.png")
-        print(f"browser tier: {time.monotonic() - t0:.0f} s with the page open")
-        page.close()
 
 
 def _shoot(nb: NotebookPage, path) -> None:

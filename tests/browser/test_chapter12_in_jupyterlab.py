@@ -9,11 +9,9 @@ started from a fork server: the kernel's main module is not a script). See
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
-from .lab_driver import WIDGET_MIME, NotebookPage, problems
+from .lab_driver import WIDGET_MIME, chapter_after_run_all, problems
 
 pytestmark = pytest.mark.browser
 
@@ -22,14 +20,13 @@ RUN_ALL_S = 150  # the chapter takes ~12 s offline on two idle cores; workers st
 
 
 def test_run_all_shows_the_pool_and_every_workers_slab(lab, browser, shots):
-    page = browser.new_page(viewport={"width": 1600, "height": 1000})
-    nb = NotebookPage(page)
-    t0 = time.monotonic()
-    try:
-        name = lab.copy_chapter(CHAPTER)
-        nb.open(lab.url(name), name)
-        nb.run("notebook:run-all-cells", RUN_ALL_S)
-        print(f"Run All: {time.monotonic() - t0:.0f} s")
+    final = shots / "chapter12_after_run_all.png"
+    with chapter_after_run_all(lab, browser, CHAPTER, RUN_ALL_S, final) as nb:
+        print(f"Run All: {nb.run_all_s:.0f} s")
+        pictures = nb.page.locator(".jupyter-widgets img.widget-image")
+        if pictures.count():  # the last display's workers picture, on screen for the shot
+            pictures.last.scroll_into_view_if_needed()
+            nb.page.wait_for_timeout(1000)  # JupyterLab draws the cells scrolled to
         cells = nb.cells()
         assert not problems(cells), "\n".join(problems(cells))
         views = [o for c in cells for o in c["outputs"] if WIDGET_MIME in o["mimes"]]
@@ -38,12 +35,3 @@ def test_run_all_shows_the_pool_and_every_workers_slab(lab, browser, shots):
         shown = [[i for i in o["images"] if i["loaded"] and i["width"] > 0] for o in views]
         assert all(len(images) >= 2 for images in shown), shown
         assert not nb.errors, "the browser console has errors:\n" + "\n".join(nb.errors)
-    finally:
-        pictures = page.locator(".jupyter-widgets img.widget-image")
-        if pictures.count():  # the last display's workers picture, on screen for the shot
-            pictures.last.scroll_into_view_if_needed()
-            page.wait_for_timeout(1000)  # JupyterLab draws the cells scrolled to
-        path = shots / "chapter12_after_run_all.png"
-        nb.screenshot(path)
-        print(f"\nscreenshot: {path}")
-        page.close()
