@@ -50,9 +50,6 @@ class ShardedKVCache:
         """All workers' slabs together."""
         return self.worker_nbytes * self.num_workers
 
-    def group_of(self, layer: int) -> int:
-        return next(g for g, group in enumerate(self.groups) if layer in group.layer_ids)
-
     def key_cache(self, layer: int):
         raise PagedLearnError(
             "with tensor_parallel_size > 1 the KV slabs live in the worker processes: read them "
