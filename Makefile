@@ -71,7 +71,7 @@ lab: $(STAMP)
 CHAPTERS ?=
 notebooks: $(STAMP)
 	$(BIN)/jupytext --sync notebooks/[0-9][0-9]_*.py
-	$(BIN)/python -m pagedlearn.chapters $(CHAPTERS)
+	$(BIN)/python -m pagedlearn.cli.chapters $(CHAPTERS)
 
 # After changing a function a lab names (or a lab notebook): regenerate the lab notebooks'
 # exercise cells from the package's source, and pair their .ipynb twins.

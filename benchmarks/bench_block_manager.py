@@ -45,8 +45,8 @@ from block_manager_peers import BS, PeerMissing, Prepared, load_nanovllm, load_v
 
 import pagedlearn
 from pagedlearn import BlockAllocator, KVCacheManager
-from pagedlearn.block_pool import BlockPool
-from pagedlearn.prefix_cache import PrefixCache
+from pagedlearn.core.block_pool import BlockPool
+from pagedlearn.core.prefix_cache import PrefixCache
 
 COLUMNS = {"pagedlearn": 11, "pagedlearn plain": 17, "vLLM": 9, "nano-vllm": 10}  # name: width
 RATIOS = {"PL/plain": "pagedlearn plain", "PL/vLLM": "vLLM", "PL/nano": "nano-vllm"}
@@ -66,7 +66,9 @@ class PagedLearnDriver:
 
     def __init__(self, manager_class, pool_class, version: str, listen: bool = False) -> None:
         self.Manager, self.Pool, self.version = manager_class, pool_class, version
-        self.listen = listen  # someone records every block event (trace.py): what does it cost?
+        self.listen = (
+            listen  # someone records every block event (trace/events.py): what does it cost?
+        )
 
     def manager(self, nblocks: int, caching: bool) -> KVCacheManager:
         kv = self.Manager(nblocks, BS, enable_prefix_caching=caching)

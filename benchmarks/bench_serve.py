@@ -3,12 +3,12 @@ time to first token under Poisson load, and its memory over 10,000 requests.
 
 Every server here is a subprocess (``python -m pagedlearn serve --port P ...``, ready once
 ``GET /health`` answers 200), so that the client -- this process -- and the server do not share
-a GIL. Both systems get the in-process load test's pool (loadtest.py: blocks of 16 tokens, room
-for two full-context sequences, a swap pool of a quarter of that, swap preemption, prefix
-caching on) and the same number of torch threads (``--torch-threads``, 1 by default: on a small
-CPU more threads fight the client and each other).
+a GIL. Both systems get the in-process load test's pool (loadtest/in_process.py: blocks of 16
+tokens, room for two full-context sequences, a swap pool of a quarter of that, swap preemption,
+prefix caching on) and the same number of torch threads (``--torch-threads``, 1 by default: on a
+small CPU more threads fight the client and each other).
 
-1. **Server overhead** (per model of ``--models``). The HTTP load test (loadtest_http.py) sends
+1. **Server overhead** (per model of ``--models``). The HTTP load test (loadtest/http.py) sends
    its seeded mix at rate inf -- every request of a phase at once, so the server sets the pace
    -- and reads ``output tokens / wall seconds`` and ``answered requests / wall seconds``. Then
    ``LLM.generate`` runs the same mix's requests in-process: the same token-id prompts,
@@ -67,9 +67,9 @@ from serve_traffic import memory, print_memory
 
 from pagedlearn import LLM, SamplingParams
 from pagedlearn.engine.metrics import percentiles
-from pagedlearn.loadtest_http import run_http_loadtest, salt_of
-from pagedlearn.loadtest_mix import PHASES, build_mix, default_pool
-from pagedlearn.loadtest_report import _json_safe
+from pagedlearn.loadtest.http import run_http_loadtest, salt_of
+from pagedlearn.loadtest.mix import PHASES, build_mix, default_pool
+from pagedlearn.loadtest.report import _json_safe
 from pagedlearn.models import load
 from pagedlearn.models.runner import max_model_len
 

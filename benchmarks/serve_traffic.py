@@ -36,7 +36,7 @@ from pathlib import Path
 
 import httpx
 
-from pagedlearn.server_metrics import scrape
+from pagedlearn.loadtest.server_metrics import scrape
 
 # The requests cycle through these 20 kinds: mostly plain completions, a few of the rest.
 KINDS = ("bad", "cancel", "chat", "chat-stream") + ("stream",) * 8 + ("plain",) * 8

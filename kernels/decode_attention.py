@@ -41,7 +41,7 @@ from kernels.backend import (
     tile_tokens,
 )
 from pagedlearn.attention import paged_attention_ref as reference  # what the tests compare to
-from pagedlearn.attention_inputs import CacheShape, check_decode
+from pagedlearn.attention.inputs import CacheShape, check_decode
 
 MAX_SPLITS = 64
 NO_WINDOW = 2**31 - 1  # the kernels' sliding_window for full attention: longer than any context
@@ -308,7 +308,7 @@ def paged_attention_decode(
     Any block size works; head_dim up to 256; float16, bfloat16 or float32. Bad input raises
     :class:`~pagedlearn.errors.AttentionInputError` (a ``ValueError``) before anything runs. The
     *values* of ``block_tables`` / ``context_lens`` are checked on the CPU only (see
-    :mod:`pagedlearn.attention_inputs`).
+    :mod:`pagedlearn.attention.inputs`).
     """
     args = (q, key_cache, value_cache, block_tables, context_lens, scale, num_splits)
     return launch_decode(_paged_decode_kernel, *args, sliding_window=sliding_window)

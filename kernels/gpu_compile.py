@@ -28,7 +28,7 @@ from triton.compiler import ASTSource
 
 from kernels import decode_attention, prefix_prefill, reshape_and_cache
 from kernels.backend import is_interpreted
-from pagedlearn.attention_inputs import CacheShape
+from pagedlearn.attention.inputs import CacheShape
 
 # (label, num_heads, num_kv_heads, head_dim, block_size)
 SHAPES = [

@@ -35,7 +35,7 @@ from kernels.backend import (
 )
 from kernels.decode_attention import NO_WINDOW
 from pagedlearn.attention import paged_attention_prefill_ref as reference
-from pagedlearn.attention_inputs import CacheShape, check_prefill
+from pagedlearn.attention.inputs import CacheShape, check_prefill
 
 BLOCK_M = 32  # query rows per program
 

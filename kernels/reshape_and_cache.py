@@ -15,7 +15,7 @@ import triton.language as tl
 
 from kernels.backend import check_launchable
 from pagedlearn.attention import write_kv_ref as reference
-from pagedlearn.attention_inputs import CacheShape, check_write_kv
+from pagedlearn.attention.inputs import CacheShape, check_write_kv
 
 
 @triton.jit

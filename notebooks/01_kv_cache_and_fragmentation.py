@@ -41,7 +41,7 @@
 # so their numbers need neither a download nor 26 GB of RAM. A GPU changes nothing here.
 
 # %%
-from pagedlearn.notebook import setup
+from pagedlearn.cli.notebook import setup
 
 env = setup()
 

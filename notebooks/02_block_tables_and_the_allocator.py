@@ -39,7 +39,7 @@
 # requests when `env.quick` is off.
 
 # %%
-from pagedlearn.notebook import setup
+from pagedlearn.cli.notebook import setup
 
 env = setup()
 
@@ -47,11 +47,11 @@ env = setup()
 # ## A small pool
 #
 # The pool is `num_blocks` physical blocks of `block_size` token slots each. The manager hands out
-# block *ids* only; the K/V tensors they index live in one slab per model (`pagedlearn/kv_cache.py`,
-# shape `(2, layers, num_blocks, block_size, kv_heads, head_dim)`), which the manager never
-# touches. Here: 12 blocks of 4 slots, and six requests `A`..`F` whose prompts take 1 to 4 blocks
-# each. A prompt of `n` tokens takes `ceil(n / block_size)` blocks, and only its last block can
-# be partly empty.
+# block *ids* only; the K/V tensors they index live in one slab per model
+# (`pagedlearn/attention/kv_cache.py`, shape `(2, layers, num_blocks, block_size, kv_heads,
+# head_dim)`), which the manager never touches. Here: 12 blocks of 4 slots, and six requests
+# `A`..`F` whose prompts take 1 to 4 blocks each. A prompt of `n` tokens takes `ceil(n /
+# block_size)` blocks, and only its last block can be partly empty.
 #
 # `kv.record()` starts recording every block event, so that we can replay this whole session at
 # the end; `kv.mark_step(step=...)` after each operation marks a frame of that replay, numbered
@@ -112,7 +112,7 @@ print("free queue (next allocation first):", kv.allocator.free_queue())
 #
 # Now request R arrives with a 12-token prompt. With block size 4 it needs 3 blocks, and the free
 # queue hands out **7, 2, 11**, in that order (the paper's Figure 6 draws the same kind of
-# scattered table; `pagedlearn/block_table.py` uses this one as its example). R sees its cache
+# scattered table; `pagedlearn/core/block_table.py` uses this one as its example). R sees its cache
 # as contiguous -- token `i` is in *logical* block `i // 4` at offset `i % 4` -- and its block
 # table maps logical block `j` to a physical block anywhere in the pool.
 #

@@ -40,7 +40,7 @@
 # lengths in tokens.
 
 # %%
-from pagedlearn.notebook import setup
+from pagedlearn.cli.notebook import setup
 
 env = setup()
 
@@ -81,7 +81,7 @@ print(f"blocks: {full} full" + (f" + 1 holding {rest} of {BLOCK_SIZE} tokens" if
 # ## Watching the block events
 #
 # The KV-cache manager announces every block operation on its trace (`engine.kv.trace`, see
-# `pagedlearn/trace.py`). We keep three kinds: `incref` (a fork: the child shares all the
+# `pagedlearn/trace/events.py`). We keep three kinds: `incref` (a fork: the child shares all the
 # parent's blocks), `cow_copy` (a sequence copies a shared block before writing into it) and
 # `free` (a sequence finished or fell out of the beam). `engine.num_steps` counts the steps that
 # have *finished*, so an event raised inside a step belongs to step `num_steps + 1`.

@@ -47,7 +47,7 @@
 # tokenizer (the cells print them, with the reason for each).
 
 # %%
-from pagedlearn.notebook import setup
+from pagedlearn.cli.notebook import setup
 
 env = setup()
 
@@ -55,7 +55,7 @@ env = setup()
 from IPython.display import display
 
 from pagedlearn import LLM, KVCacheManager, SamplingParams
-from pagedlearn.prefix_cache import ROOT_HASH, hash_block, make_extra_keys, parent_hash
+from pagedlearn.core.prefix_cache import ROOT_HASH, hash_block, make_extra_keys, parent_hash
 from pagedlearn.sim.paper import POOL_SLOTS
 from pagedlearn.sim.prefix import prefix_caching
 from pagedlearn.sim.workloads import attach_tokens, home_server_workload
@@ -315,7 +315,7 @@ display(shared)
 # ## Eviction: least recently used first
 #
 # Cached blocks sit in the pool's free queue: empty blocks are handed out first, then cached
-# ones, **least recently freed first** (`pagedlearn/block_allocator.py`). A cache hit takes a
+# ones, **least recently freed first** (`pagedlearn/core/block_allocator.py`). A cache hit takes a
 # block out of the queue; when its user finishes it goes back at the end -- the most recently
 # used. We watch the trace's `cache_store` (a full block registered under its hash) and `evict`
 # (a cached block's slot taken for new data; its hash forgotten) events on a small pool.

@@ -46,7 +46,7 @@
 # long float16 contexts, and the last section prints the benchmark table.
 
 # %%
-from pagedlearn.notebook import setup
+from pagedlearn.cli.notebook import setup
 
 env = setup()  # on a CPU: TRITON_INTERPRET=1, before anything imports Triton
 
@@ -143,7 +143,7 @@ for b in range(NUM_BLOCKS):
 
 # %% [markdown]
 # Kernels and references see only tensors: the caches, a padded `block_tables` tensor and the
-# `context_lens` (`pagedlearn/attention_inputs.py` lists what every attention function reads;
+# `context_lens` (`pagedlearn/attention/inputs.py` lists what every attention function reads;
 # none of it names a sequence, a request or the manager). Turning the manager's lists into those
 # tensors is the engine's job; rows are padded with -1, which is never read because each
 # sequence reads only the blocks its length needs.
@@ -179,7 +179,7 @@ print("OK: gather_kv through A's block table gives back A's contiguous K and V")
 # block table, then `contiguous_attention`. Same numbers as step 1, for every sequence.
 # `paged_attention_batched` is the same without a Python loop over sequences (one padded gather
 # and a masked softmax). The engine's CPU backend does the same gather and hands it to PyTorch's
-# `scaled_dot_product_attention` (`pagedlearn/attention_sdpa.py`), tested against this function.
+# `scaled_dot_product_attention` (`pagedlearn/attention/sdpa.py`), tested against this function.
 
 # %%
 q = torch.cat([q_a, torch.randn(1, H, D, device=dev)])  # (num_seqs, num_heads, head_dim)
@@ -291,7 +291,7 @@ print(f"grid: {len(seqs)} sequences x {KVH} KV heads x num_splits programs")
 
 # %%
 from kernels.decode_attention import launch_constants
-from pagedlearn.attention_inputs import check_decode
+from pagedlearn.attention.inputs import check_decode
 
 shape = check_decode(q, key_cache, value_cache, block_tables, context_lens, None, False)
 consts = launch_constants(shape, q.dtype, interpreted=not env.gpu, num_splits=1)["decode"]
@@ -532,8 +532,8 @@ print(f"paged_attention_ref: {t_ref * 1e3:.1f} ms   paged_attention_decode ({whe
 # ## 8. Why decode is memory-bound
 #
 # Count what one decode call computes against what it must read (`decode_flops_and_bytes` in
-# `pagedlearn/attention.py`; the formula is in its docstring). For every cached token, each
-# query head takes a dot product with the key and adds the weighted value: 4 · head_dim FLOPs.
+# `pagedlearn/attention/references.py`; the formula is in its docstring). For every cached token,
+# each query head takes a dot product with the key and adds the weighted value: 4 · head_dim FLOPs.
 # For every cached token and KV head, K and V must come from memory: 2 · head_dim · elem_size
 # bytes. Their ratio, the *arithmetic intensity*, is therefore about
 # 2 · (num_heads / num_kv_heads) / elem_size FLOPs per byte (a little less on short contexts,

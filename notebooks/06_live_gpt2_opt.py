@@ -52,14 +52,14 @@
 # drawn from the recording further down).
 
 # %%
-from pagedlearn.notebook import setup
+from pagedlearn.cli.notebook import setup
 
 env = setup()
 
 # %% [markdown]
 # ## The stream
 #
-# We serve the project's mixed batch (`pagedlearn.demo.requests()`, what `make demo` runs):
+# We serve the project's mixed batch (`pagedlearn.cli.demo.requests()`, what `make demo` runs):
 #
 # - `chat-1` and `chat-2`: two chats that start with the same system prompt;
 # - `short` (a few tokens) and `long` (a document of a few hundred bytes);
@@ -77,7 +77,7 @@ env = setup()
 
 # %%
 from pagedlearn import LLM
-from pagedlearn.demo import default_num_blocks, requests
+from pagedlearn.cli.demo import default_num_blocks, requests
 from pagedlearn.models import load
 
 BLOCK_SIZE = 16

@@ -51,14 +51,14 @@
 # time ratio.
 
 # %%
-from pagedlearn.notebook import setup
+from pagedlearn.cli.notebook import setup
 
 env = setup()
 
 # %% [markdown]
 # ## A workload that does not fit
 #
-# We reuse the project's mixed batch (`pagedlearn.demo.requests()`, what `make demo` serves):
+# We reuse the project's mixed batch (`pagedlearn.cli.demo.requests()`, what `make demo` serves):
 # two chats that share a system prompt, a short and a long prompt, `n=3` sampling and a beam
 # search (we leave out its "cancel" request; cancelling comes at the end). Every request has
 # `ignore_eos=True`, so its length -- and the memory pressure -- is the same on every run.
@@ -71,8 +71,9 @@ env = setup()
 # %%
 import statistics
 
-from pagedlearn import LLM, chapters
-from pagedlearn.demo import requests
+from pagedlearn import LLM
+from pagedlearn.cli import chapters
+from pagedlearn.cli.demo import requests
 from pagedlearn.models import load
 
 BLOCK_SIZE = 8

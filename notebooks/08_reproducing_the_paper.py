@@ -47,14 +47,14 @@
 # CI checks that the chapter runs, the timed sections run a few seconds' worth (`SMOKE` below).
 
 # %%
-from pagedlearn.notebook import setup
+from pagedlearn.cli.notebook import setup
 
 env = setup()
 
 # %%
 import time
 
-from pagedlearn import chapters
+from pagedlearn.cli import chapters
 from pagedlearn.sim import paper, plots, prefix, sharing, workloads
 
 # Requests per run: the full sizes are the ones `python -m pagedlearn paper` and the README use.

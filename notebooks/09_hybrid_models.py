@@ -48,7 +48,7 @@
 # PyTorch's *meta* device: shapes without weights, built offline.
 
 # %%
-from pagedlearn.notebook import setup
+from pagedlearn.cli.notebook import setup
 
 env = setup()
 
@@ -62,15 +62,15 @@ from matplotlib.figure import Figure
 
 from pagedlearn import LLM, KVCacheManager, SamplingParams
 from pagedlearn.attention import contiguous_attention, paged_attention_ref, write_kv_ref
-from pagedlearn.attention_inputs import first_visible_key
-from pagedlearn.kv_cache_coordinator import KVCacheCoordinator
-from pagedlearn.kv_cache_groups import group_layers, layers_per_block, sliding_blocks_held
+from pagedlearn.attention.inputs import first_visible_key
+from pagedlearn.core.prefix_cache import hash_blocks, make_extra_keys, parent_hash
+from pagedlearn.hybrid.kv_cache_coordinator import KVCacheCoordinator
+from pagedlearn.hybrid.kv_cache_groups import group_layers, layers_per_block, sliding_blocks_held
+from pagedlearn.hybrid.sliding_window_manager import SlidingWindowManager
 from pagedlearn.models import load
 from pagedlearn.models.layer_windows import layer_windows
 from pagedlearn.models.reference_configs import meta_model, reference_configs
 from pagedlearn.models.runner import kv_cache_spec, max_model_len
-from pagedlearn.prefix_cache import hash_blocks, make_extra_keys, parent_hash
-from pagedlearn.sliding_window_manager import SlidingWindowManager
 from pagedlearn.viz import LiveBlockView, draw_block_tables
 
 # %% [markdown]

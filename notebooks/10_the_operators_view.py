@@ -32,8 +32,8 @@
 #    in memory, and how to drop the whole cache (`reset_prefix_cache`);
 # 2. **the metrics an operator watches**: `engine.stats()` (the pool now), `engine.metrics`
 #    (latency percentiles, opt-in cache residency) and the Prometheus page, with vLLM's names;
-# 3. **the load test** (`pagedlearn.loadtest.run_loadtest`): a seeded mix of requests that
-#    exposes what paging does, and the checks that say nothing went wrong;
+# 3. **the load test** (`pagedlearn.loadtest.in_process.run_loadtest`): a seeded mix of
+#    requests that exposes what paging does, and the checks that say nothing went wrong;
 # 4. **tails against the pool**: the same load test over several pool sizes, read as an
 #    operator would -- the fewest free blocks, the preemptions, and the latency tails, per run
 #    and per request (against the fewest free blocks each request lived through);
@@ -48,7 +48,7 @@
 # values.
 
 # %%
-from pagedlearn.notebook import setup
+from pagedlearn.cli.notebook import setup
 
 env = setup()
 
@@ -60,17 +60,17 @@ from IPython.display import display
 from matplotlib.figure import Figure
 
 from pagedlearn import LLM, PagedLearnError, SamplingParams
+from pagedlearn.core.prefix_cache import hash_blocks, make_extra_keys
 from pagedlearn.engine import prometheus
-from pagedlearn.loadtest import run_loadtest
-from pagedlearn.loadtest_mix import DEFAULT_RATE, build_mix
-from pagedlearn.prefix_cache import hash_blocks, make_extra_keys
+from pagedlearn.loadtest.in_process import run_loadtest
+from pagedlearn.loadtest.mix import DEFAULT_RATE, build_mix
 from pagedlearn.sim.plots import OKABE_ITO
 from pagedlearn.viz import draw_memory_timeline
 
 MODEL, BLOCK_SIZE = "tiny-gpt2", 16
 # On a CPU the tiny model's operations are too small to gain from several threads, and on a
 # busy machine threads waiting for each other slow every step down; the load test runs torch on
-# one thread for the same reason (pagedlearn/loadtest.py). So do all the cells here.
+# one thread for the same reason (pagedlearn/loadtest/in_process.py). So do all the cells here.
 torch.set_num_threads(1)
 
 # %% [markdown]
@@ -78,8 +78,8 @@ torch.set_num_threads(1)
 #
 # Chapter 04 built the prefix cache: every full block gets a hash, `H(parent hash, the block's
 # tokens, extra keys)`, and a new prompt reuses a cached block when the hashes (and the stored
-# tokens and keys) match. The **extra keys** (`make_extra_keys` in `pagedlearn/prefix_cache.py`)
-# are what must agree besides the tokens:
+# tokens and keys) match. The **extra keys** (`make_extra_keys` in
+# `pagedlearn/core/prefix_cache.py`) are what must agree besides the tokens:
 #
 # - the **model**: `engine.kv.model_id`, the model's name, or `(name, version)` once
 #   `engine.model_version` is set -- new weights give other K/V for the same tokens;
@@ -404,8 +404,8 @@ print(f"\n{len(pairs)} names shared with vLLM, each on the page above; the other
 # A unit test checks one rule with a few requests. A load test sends many requests of every
 # kind, at once and over time, and checks what must hold whatever happened in between.
 # `python -m pagedlearn loadtest` is one, and `run_loadtest` is the same thing from Python
-# (`pagedlearn/loadtest.py`). One run sends a seeded mix (`loadtest_mix.py`) in five phases,
-# each run until the engine is idle:
+# (`pagedlearn/loadtest/in_process.py`). One run sends a seeded mix (`loadtest/mix.py`) in five
+# phases, each run until the engine is idle:
 #
 # - **mix**: a Poisson stream (`rate` requests per second) of short prompts and prompts near
 #   the context limit; prompts that share a "system prompt" -- sent by several tenants (salts,
@@ -421,7 +421,7 @@ print(f"\n{len(pairs)} names shared with vLLM, each on the page above; the other
 #
 # The pool is squeezed on purpose: by default it holds two full-context sequences (64 blocks of
 # 16 for tiny-gpt2's 512 tokens), and the swap pool a quarter of that. A driver
-# (`loadtest_driver.py`) adds each request at its arrival time on the wall clock, steps the
+# (`loadtest/driver.py`) adds each request at its arrival time on the wall clock, steps the
 # engine, cancels requests mid-way, checks the pool's invariants after every step, and audits
 # the block trace for cross-tenant hits. The returned `LoadTestReport` has the numbers by topic
 # (`.counts`, `.pool`, `.prefix_cache`, `.latency`), the verdicts (`.checks`), a sample of the
@@ -451,8 +451,8 @@ print(f"\ncross-tenant hits: {pc['cross_tenant_hit_blocks']} blocks; cold and ve
 assert report.ok and pc["cross_tenant_hit_blocks"] == 0
 
 # %% [markdown]
-# What each check guards against (`pagedlearn/loadtest_verdicts.py` computes them, the
-# tenant audit is in `loadtest_checks.py`). Correctness:
+# What each check guards against (`pagedlearn/loadtest/verdicts.py` computes them, the
+# tenant audit is in `loadtest/checks.py`). Correctness:
 #
 # 1. **Every request finished or was cancelled.** Each request sent has a final output --
 #    finished, cancelled on purpose after a few tokens, or refused at the door (the one prompt
@@ -462,7 +462,7 @@ assert report.ok and pc["cross_tenant_hit_blocks"] == 0
 #    and no sequence is left in the manager. A leak of one block per cancelled request is
 #    invisible in a demo and fatal after a week: the pool shrinks until nothing fits.
 # 3. **The invariants held after every step** (and after every cancellation):
-#    `check_invariants()` (`pagedlearn/invariants.py`) -- refcounts equal the table entries
+#    `check_invariants()` (`pagedlearn/core/invariants.py`) -- refcounts equal the table entries
 #    pointing at each block, a block is free exactly when nothing points at it, tables have the
 #    right length, the swap pool obeys the same rules, every hash maps to a block holding exactly
 #    those tokens under those keys. It catches a wrong step when it happens, not when a user
@@ -650,13 +650,13 @@ display(fig)
 # ### Per request: the tails against the free blocks it lived through
 #
 # The runs above summarise a whole pool in one number. An operator's question is finer: *when*
-# the pool ran short, who paid? `pagedlearn.loadtest_tails` places every request of the six
+# the pool ran short, who paid? `pagedlearn.loadtest.tails` places every request of the six
 # runs by the **fewest free blocks it lived through** -- the minimum of the free blocks after
 # every step from its arrival to its end -- and gives each range of that number its TTFT p50 /
 # p99 and its ITL p99 and max:
 
 # %% tags=["timing"]
-from pagedlearn.loadtest_tails import tails_by_headroom
+from pagedlearn.loadtest.tails import tails_by_headroom
 
 rows = tails_by_headroom(reports.values())
 print(f"{'fewest free':>12}{'requests':>10}{'preempted':>11}{'TTFT p50':>10}{'TTFT p99':>10}"
@@ -736,7 +736,7 @@ for q, (rule, got, mine) in enumerate(zip(rules, seen, my_answers, strict=True),
 #
 # 1. **Two tenants without salts.** Serve the same system prompt for "dave" and "erin", neither
 #    sending a salt, while recording (`engine.record()`), then run a `TenantAudit`
-#    (`pagedlearn.loadtest_checks`) over the recorded events with a `tenant_of` that names each
+#    (`pagedlearn.loadtest.checks`) over the recorded events with a `tenant_of` that names each
 #    request's tenant (send them with `engine.add_request("dave-1", ...)` and `"erin-1"`, so
 #    that the ids name the tenant, and feed `log.events` to the audit one by one). What does
 #    the audit report, and what would fix it?
@@ -753,7 +753,7 @@ for q, (rule, got, mine) in enumerate(zip(rules, seen, my_answers, strict=True),
 #    the wall clock: run it twice and check which columns of the table are the same both times.
 #    Does the number of preemptions still fall, or stay level, as the pool grows? If not, find
 #    the run that
-#    breaks the pattern and read `pagedlearn/swap.py`'s docstring on blocks shared with another
+#    breaks the pattern and read `pagedlearn/core/swap.py`'s docstring on blocks shared with another
 #    request: what does a swap-out free when the victim's prefix is shared, and what does its
 #    swap-in take?
 # 4. **An alert.** From the sweep, pick the gauge and the threshold you would page someone on,

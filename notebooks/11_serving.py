@@ -51,7 +51,7 @@
 # for in them. Every other count is the same on every machine.
 
 # %%
-from pagedlearn.notebook import setup
+from pagedlearn.cli.notebook import setup
 
 env = setup()
 

@@ -55,7 +55,7 @@
 # tagged `timing`: read them for what to look for, not for their values.
 
 # %%
-from pagedlearn.notebook import setup
+from pagedlearn.cli.notebook import setup
 
 env = setup()
 

@@ -13,9 +13,9 @@ The package imports only the standard library at load time; torch, Triton and tr
 imported by the parts that need them (``LLM`` and friends are looked up on first use).
 """
 
-from pagedlearn.block_allocator import BlockAllocator
+from pagedlearn.core.block_allocator import BlockAllocator
+from pagedlearn.core.kv_cache_manager import KVCacheManager
 from pagedlearn.errors import OutOfBlocksError, PagedLearnError, TraceFileError, WorkerError
-from pagedlearn.kv_cache_manager import KVCacheManager
 
 __version__ = "0.1.0"
 

@@ -62,7 +62,7 @@ def add_engine_options(parser: argparse.ArgumentParser, num_blocks_help: str) ->
     """The engine's options that ``demo`` and ``serve`` share: the block size, the pool (its
     help says each command's default), recompute or swap, the attention backend, prefix
     caching."""
-    from pagedlearn import demo
+    from pagedlearn.cli import demo
 
     parser.add_argument(
         "--block-size",
@@ -117,7 +117,9 @@ def writable_dir(path) -> str | None:
 def build_parser() -> tuple[argparse.ArgumentParser, dict]:
     """The parser, and each (sub)command's own parser by name ("labs export" for nested ones), so
     that an error is reported with the usage of the command it belongs to."""
-    from pagedlearn import block_demo, demo, loadtest_mix
+    from pagedlearn.cli import blocks as block_demo
+    from pagedlearn.cli import demo
+    from pagedlearn.loadtest import mix as loadtest_mix
 
     parser = argparse.ArgumentParser(
         prog="python -m pagedlearn",
@@ -378,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
         return _labs(args)
 
     if args.command == "figures":
-        from pagedlearn.figures import make_figures
+        from pagedlearn.cli.figures import make_figures
 
         make_figures(args.out, paper=not args.no_paper, quick=args.quick)
         return 0
@@ -395,16 +397,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "loadtest":
         return _loadtest(args, own)
     if args.command in ("demo", "blocks"):
-        from pagedlearn.demo import OptionError
+        from pagedlearn.cli.demo import OptionError
         from pagedlearn.errors import PagedLearnError
 
         try:
             if args.command == "blocks":
-                from pagedlearn.block_demo import run_demo
+                from pagedlearn.cli.blocks import run_demo
 
                 run_demo(args.num_blocks, args.block_size, not args.no_prefix_caching)
             else:
-                from pagedlearn.demo import run_demo
+                from pagedlearn.cli.demo import run_demo
 
                 run_demo(
                     args.model,
@@ -421,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{args.command} stopped: {e}", file=sys.stderr)
             return 1
         return 0
-    from pagedlearn.check_env import check_env
+    from pagedlearn.cli.check_env import check_env
 
     return check_env(include_dev=not args.no_dev)
 
@@ -430,7 +432,7 @@ def _loadtest(args, own: argparse.ArgumentParser) -> int:
     """The load test: in process, or over HTTP with ``--endpoint`` (each refuses the other's
     options); an option the model rules out is a usage error, as argparse's own."""
     from pagedlearn.errors import PagedLearnError
-    from pagedlearn.loadtest import LoadTestOptionError
+    from pagedlearn.loadtest.in_process import LoadTestOptionError
 
     http = args.endpoint is not None
     for name in IN_PROCESS_ONLY if http else HTTP_ONLY:
@@ -439,11 +441,11 @@ def _loadtest(args, own: argparse.ArgumentParser) -> int:
             own.error(f"argument --{name.replace('_', '-')}: {why}")
     try:
         if http:
-            from pagedlearn.loadtest_http import cli
+            from pagedlearn.loadtest.http import cli
 
             args.timeout = args.timeout or HTTP_TIMEOUT
         else:
-            from pagedlearn.loadtest import cli
+            from pagedlearn.loadtest.in_process import cli
 
             args.model, args.block_size = args.model or "tiny-gpt2", args.block_size or 16
         return cli(args)

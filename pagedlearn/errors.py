@@ -6,7 +6,19 @@ handles (by waiting, preempting or rejecting), so it has its own class.
 
 Messages say what was asked for and what was available, e.g. ``need 3 blocks, 1 free of 64``.
 Whenever one of these is raised, the state it was raised from is unchanged: nothing half-allocated.
+
+One exception is not ours to raise: a ``KeyboardInterrupt`` (Ctrl-C) can land between any two
+bytecodes. Where that would leave state half changed -- the engine's bookkeeping
+(engine/recovery.py), a message half written to a worker's pipe or half read from it
+(parallel/executor.py) -- the work runs inside :func:`held_interrupts`: Ctrl-C is noted, the work
+finishes, then the interrupt is raised.
 """
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
 
 
 class PagedLearnError(Exception):
@@ -44,7 +56,7 @@ class KernelUnavailableError(PagedLearnError, RuntimeError):
 class TraceFileError(PagedLearnError, ValueError):
     """A recorded trace that cannot be replayed: a JSON file (``EventLog.to_json``) that is not
     JSON, has a field of the wrong type, a block id outside the pool, frees a sequence that was
-    never added, or is larger than the caps of :mod:`pagedlearn.trace_limits` -- or such an event
+    never added, or is larger than the caps of :mod:`pagedlearn.trace.limits` -- or such an event
     handed to a replay in memory (``PoolReplay.apply``).
 
     The message names the first bad event (its index and kind) and what is wrong with it, e.g.
@@ -75,3 +87,37 @@ class WorkerError(PagedLearnError, RuntimeError):
     The workers' process group cannot be trusted after that, so every worker is stopped, the
     requests in flight fail, and the engine refuses more work (``engine.broken``): build a new
     ``LLM``. The message names the worker (rank and pid) and what happened to it."""
+
+
+# --- Ctrl-C held while a piece of work must finish whole -----------------------------------------
+try:  # the C functions behind signal.signal / getsignal, without their enum conversions (which
+    import _signal as _sig  # raise and catch a ValueError per call); CPython's private module
+except ImportError:  # not CPython
+    _sig = signal
+
+_SIGINT = int(signal.SIGINT)
+
+
+@contextlib.contextmanager
+def held_interrupts(reraise: bool = True):
+    """Hold Ctrl-C (SIGINT) until the block ends, then raise ``KeyboardInterrupt`` (if
+    ``reraise``). A second Ctrl-C raises at once. Only in the main thread with Python's default
+    handler (a script, a Jupyter cell); elsewhere, or when already held, it does nothing."""
+    main = threading.current_thread() is threading.main_thread()
+    if not main or _sig.getsignal(_SIGINT) is not signal.default_int_handler:
+        yield
+        return
+    pressed: list[int] = []
+
+    def hold(signum, frame):
+        if pressed:  # pressed twice: the work may be stuck, stop now
+            raise KeyboardInterrupt
+        pressed.append(signum)
+
+    _sig.signal(_SIGINT, hold)
+    try:
+        yield
+    finally:
+        _sig.signal(_SIGINT, signal.default_int_handler)
+    if pressed and reraise:
+        raise KeyboardInterrupt

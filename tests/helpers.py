@@ -9,7 +9,7 @@ from pagedlearn.labs.handout import lab_files
 from pagedlearn.labs.lab import Lab
 from pagedlearn.labs.runner import PASSED, Outcome, run_check
 from pagedlearn.labs.submission import Submission, load
-from pagedlearn.trace import PoolReplay
+from pagedlearn.trace.events import PoolReplay
 
 
 def snapshot(kv: KVCacheManager):

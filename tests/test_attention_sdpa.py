@@ -1,4 +1,5 @@
-"""The engine's torch backend (attention_sdpa.py) against the readable references (attention.py).
+"""The engine's torch backend (attention/sdpa.py) against the readable references
+(attention/references.py).
 
 Random paged caches from ``paged_cases`` (shuffled blocks, NaN in every unused slot, padding
 table entries out of range or -1): decode, prefill with and without a cached prefix, chunked
@@ -20,8 +21,8 @@ from pagedlearn.attention import (
     paged_attention_ref,
     write_kv_ref,
 )
-from pagedlearn.attention_inputs import first_visible_key
-from pagedlearn.attention_sdpa import (
+from pagedlearn.attention.inputs import first_visible_key
+from pagedlearn.attention.sdpa import (
     attend,
     paged_attention_decode_sdpa,
     paged_attention_prefill_sdpa,

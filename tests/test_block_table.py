@@ -1,6 +1,6 @@
 import pytest
 
-from pagedlearn.block_table import BlockTable
+from pagedlearn.core.block_table import BlockTable
 
 
 def test_slot_formula_on_the_seed_example():

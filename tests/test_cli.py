@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 import pagedlearn
-from pagedlearn import demo
 from pagedlearn.__main__ import build_parser, main, writable_dir
+from pagedlearn.cli import demo
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -38,17 +38,17 @@ def no_work(monkeypatch):
     def boom(*args, **kwargs):
         raise AssertionError("the command started working before refusing a bad option")
 
-    import pagedlearn.block_demo
-    import pagedlearn.figures
+    import pagedlearn.cli.blocks
+    import pagedlearn.cli.figures
     import pagedlearn.labs.export
     import pagedlearn.sim.paper
 
     for module, name in (
-        (pagedlearn.figures, "make_figures"),
+        (pagedlearn.cli.figures, "make_figures"),
         (pagedlearn.sim.paper, "report"),
         (pagedlearn.labs.export, "export"),
-        (pagedlearn.block_demo, "run_demo"),
-        (pagedlearn.demo, "run_demo"),
+        (pagedlearn.cli.blocks, "run_demo"),
+        (pagedlearn.cli.demo, "run_demo"),
     ):
         monkeypatch.setattr(module, name, boom)
 
@@ -104,13 +104,13 @@ def test_writable_dir_creates_what_is_missing_and_says_why_not(tmp_path):
 def recorded(monkeypatch, tmp_path):
     """Replace the figures' and the paper's work by a recorder; run from an empty directory, with
     temporary directories made under ``tmp_path``."""
-    import pagedlearn.figures
+    import pagedlearn.cli.figures
     import pagedlearn.sim.paper
 
     calls = []
     monkeypatch.setattr(pagedlearn.sim.paper, "report", lambda **kw: calls.append(kw) or [])
     monkeypatch.setattr(
-        pagedlearn.figures, "make_figures", lambda d, **kw: calls.append({"dir": d, **kw}) or []
+        pagedlearn.cli.figures, "make_figures", lambda d, **kw: calls.append({"dir": d, **kw}) or []
     )
     (tmp_path / "cwd").mkdir()
     monkeypatch.chdir(tmp_path / "cwd")

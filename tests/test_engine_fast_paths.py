@@ -20,14 +20,14 @@ import torch
 from engine_cases import PROMPTS, SYSTEM, make_llm
 
 from pagedlearn import BeamSearchParams, SamplingParams
+from pagedlearn.core.kv_cache_manager import KVCacheManager
 from pagedlearn.engine import llm_engine
 from pagedlearn.engine.recovery import Snapshot, StepJournal
 from pagedlearn.engine.request import Request, RequestMetrics
 from pagedlearn.engine.sampler import Sampler
 from pagedlearn.engine.scheduler import Scheduler
 from pagedlearn.engine.scheduler_output import SchedulerOutput
-from pagedlearn.kv_cache_manager import KVCacheManager
-from pagedlearn.trace import EventLog
+from pagedlearn.trace.events import EventLog
 
 # StepStats fields that are clocks: they differ between any two runs.
 TIMES = {"step_time", "forward_time", "bookkeeping_time", "swap_time", "recompute_time"}

@@ -24,9 +24,9 @@ from hypothesis import strategies as st
 from pagedlearn import BeamSearchParams, SamplingParams
 from pagedlearn.engine.recovery import MAX_FAULTS, held_interrupts
 from pagedlearn.errors import PagedLearnError
-from pagedlearn.trace import EventLog, PoolReplay
+from pagedlearn.trace.events import EventLog, PoolReplay
 
-# A trace fault is held by the trace and announced with a warning (trace.py): expected here.
+# A trace fault is held by the trace and announced with a warning (trace/events.py): expected here.
 pytestmark = pytest.mark.filterwarnings("ignore:trace subscriber Faults._trace:RuntimeWarning")
 
 
@@ -73,8 +73,8 @@ class Faults:
         return call
 
     def _trace(self, event) -> None:
-        # An error is held by the trace (trace.py) wherever it comes from, often from inside a
-        # block-manager operation; a KeyboardInterrupt a subscriber raises itself is not, so it
+        # An error is held by the trace (trace/events.py) wherever it comes from, often from inside
+        # a block-manager operation; a KeyboardInterrupt a subscriber raises itself is not, so it
         # comes where nothing is half done: at the step's frame (as the live view draws).
         self.maybe("trace", ("error", "interrupt") if event.kind == "step" else ("error",))
 
@@ -264,9 +264,9 @@ def test_a_subscriber_that_raises_loses_no_output():
 
 def test_a_trace_subscriber_that_raises_inside_an_operation_costs_nothing_but_the_raise():
     """The live view's drawing code hits a bug at an ``allocate`` event, in the middle of the
-    scheduler's ``add_sequence``. The trace holds the error (trace.py): the operation finishes,
-    the recording subscribed after the culprit sees every event, and the step raises the very
-    error at its end -- nothing to re-queue, the engine goes on, the tokens are undisturbed.
+    scheduler's ``add_sequence``. The trace holds the error (trace/events.py): the operation
+    finishes, the recording subscribed after the culprit sees every event, and the step raises the
+    very error at its end -- nothing to re-queue, the engine goes on, the tokens are undisturbed.
     (Raised at once, it left half a table behind, and the engine broke for good.)"""
     prompts = [PROMPTS[0], PROMPTS[1]]
     want = tokens(make_llm().generate(prompts, greedy(4), use_tqdm=False))

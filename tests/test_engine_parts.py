@@ -7,10 +7,10 @@ import torch
 from engine_cases import PROMPTS, assert_pool_clean, greedy, make_llm
 
 from pagedlearn import SamplingParams
+from pagedlearn.attention.kv_cache import KVCache, KVCacheSpec
 from pagedlearn.engine.sampler import Sampler
 from pagedlearn.engine.stats import queue_changes
 from pagedlearn.errors import PagedLearnError
-from pagedlearn.kv_cache import KVCache, KVCacheSpec
 from pagedlearn.models import load
 from pagedlearn.models.runner import kv_cache_spec, max_model_len
 

@@ -3,9 +3,9 @@
 Each fast class or function keeps the plain one's behaviour exactly; these tests drive both with
 the same (random) inputs and compare everything a caller can see:
 
-- :class:`~pagedlearn.block_pool.BlockPool` vs :class:`~pagedlearn.BlockAllocator` (results,
+- :class:`~pagedlearn.core.block_pool.BlockPool` vs :class:`~pagedlearn.BlockAllocator` (results,
   errors word for word, refcounts, the free queue in order, cached blocks, counters, on_evict);
-- :class:`~pagedlearn.prefix_cache_fast.FastPrefixCache` vs :class:`~pagedlearn.PrefixCache`
+- :class:`~pagedlearn.core.prefix_cache_fast.FastPrefixCache` vs :class:`~pagedlearn.PrefixCache`
   (the same 32-byte hashes, the same hits);
 - ``check_tokens`` vs ``check_tokens_plain`` (the same token values, the same error messages).
 """
@@ -20,16 +20,16 @@ import pytest
 from hypothesis import given, settings
 
 from pagedlearn import BlockAllocator, PagedLearnError
-from pagedlearn.block_pool import BlockPool
-from pagedlearn.prefix_cache import (
+from pagedlearn.core.block_pool import BlockPool
+from pagedlearn.core.prefix_cache import (
     ROOT_HASH,
     PrefixCache,
     hash_block,
     hash_blocks,
     make_extra_keys,
 )
-from pagedlearn.prefix_cache_fast import FastPrefixCache
-from pagedlearn.sequence_tables import check_tokens, check_tokens_plain
+from pagedlearn.core.prefix_cache_fast import FastPrefixCache
+from pagedlearn.core.sequence_tables import check_tokens, check_tokens_plain
 
 
 # --- the block pool ------------------------------------------------------------------------------
@@ -223,7 +223,7 @@ def test_check_tokens_turns_tensors_and_arrays_into_plain_ints():
 def test_live_slots_are_slot_of_each_position(block_size, num_tokens, nulls, start, rnd):
     """``live_slots`` (a block at a time) against ``slot(i)`` per position, -1 where a sliding
     window freed the block (null entries only ever form the head of a table)."""
-    from pagedlearn.block_table import NULL_BLOCK, BlockTable
+    from pagedlearn.core.block_table import NULL_BLOCK, BlockTable
 
     n_blocks = -(-num_tokens // block_size)
     ids = rnd.sample(range(100), n_blocks)
@@ -241,7 +241,7 @@ def test_live_slots_are_slot_of_each_position(block_size, num_tokens, nulls, sta
 
 
 # --- plugged-in parts keep their say ------------------------------------------------------------
-class _ShiftedTable(__import__("pagedlearn.block_table", fromlist=["BlockTable"]).BlockTable):
+class _ShiftedTable(__import__("pagedlearn.core.block_table", fromlist=["BlockTable"]).BlockTable):
     """A table whose slots are 1000 further: a lab answer with its own ``slot`` rule."""
 
     def slot(self, i: int) -> int:

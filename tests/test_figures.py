@@ -6,7 +6,7 @@ import re
 from itertools import pairwise
 from pathlib import Path
 
-from pagedlearn.figures import headline_frame, interleavings, make_figures, record_demo_run
+from pagedlearn.cli.figures import headline_frame, interleavings, make_figures, record_demo_run
 from pagedlearn.viz import replay_states
 from pagedlearn.viz.state import SHARED, build_state
 

@@ -11,8 +11,8 @@ import pytest
 from engine_cases import assert_pool_clean, greedy, hf_greedy, make_llm
 
 from pagedlearn import SamplingParams
-from pagedlearn.kv_cache_coordinator import KVCacheCoordinator
-from pagedlearn.kv_cache_groups import sliding_blocks_held
+from pagedlearn.hybrid.kv_cache_coordinator import KVCacheCoordinator
+from pagedlearn.hybrid.kv_cache_groups import sliding_blocks_held
 
 HYBRID = ["tiny-mistral", "tiny-gemma3"]
 WINDOW = 24

@@ -11,7 +11,7 @@ from engine_cases import SYSTEM, assert_pool_clean, greedy, make_llm, tokens
 from pagedlearn import BeamSearchParams
 from pagedlearn.engine import RequestRejectedError
 from pagedlearn.errors import PagedLearnError, TraceFileError
-from pagedlearn.trace import Event, EventLog, PoolReplay
+from pagedlearn.trace.events import Event, EventLog, PoolReplay
 from pagedlearn.viz.colors import Palette
 from pagedlearn.viz.state import pool_state, replay_states, state_of_replay, step_label
 from pagedlearn.viz.timeline import draw_memory_timeline, timeline_rows

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from pagedlearn import KVCacheManager, OutOfBlocksError, PagedLearnError
-from pagedlearn.kv_cache import KVCache, KVCacheSpec
-from pagedlearn.kv_cache_coordinator import KVCacheCoordinator
-from pagedlearn.kv_cache_groups import group_layers, sliding_blocks_held
-from pagedlearn.sliding_window_manager import SlidingWindowManager
-from pagedlearn.trace import PoolReplay
+from pagedlearn.attention.kv_cache import KVCache, KVCacheSpec
+from pagedlearn.hybrid.kv_cache_coordinator import KVCacheCoordinator
+from pagedlearn.hybrid.kv_cache_groups import group_layers, sliding_blocks_held
+from pagedlearn.hybrid.sliding_window_manager import SlidingWindowManager
+from pagedlearn.trace.events import PoolReplay
 
 
 def test_grouping_follows_vllms_uniform_page_rule():
@@ -258,7 +258,7 @@ def test_the_text_pool_map_shows_every_groups_blocks():
     """``python -m pagedlearn demo`` prints the pool with format_pool: for a hybrid model every
     used block must appear with its group (found at the end: the sliding group's were shown
     as free)."""
-    from pagedlearn.block_demo import format_pool
+    from pagedlearn.cli.blocks import format_pool
 
     kv = KVCacheCoordinator(group_layers([None, 4]), 12, 2)
     kv.add_sequence("a", list(range(7)))  # 4 blocks per group

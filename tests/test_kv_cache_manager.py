@@ -1,7 +1,7 @@
 import pytest
 from helpers import snapshot
 
-import pagedlearn.prefix_cache
+import pagedlearn.core.prefix_cache
 from pagedlearn import KVCacheManager, OutOfBlocksError, PagedLearnError
 
 BS = 4
@@ -177,7 +177,7 @@ def test_model_id_is_part_of_every_block_hash():
 
 
 def test_a_hash_collision_never_shares_wrong_kv(monkeypatch):
-    monkeypatch.setattr(pagedlearn.prefix_cache, "hash_block", lambda *args: b"\0" * 32)
+    monkeypatch.setattr(pagedlearn.core.prefix_cache, "hash_block", lambda *args: b"\0" * 32)
     kv = make()
     kv.add_sequence("a", [1, 2, 3, 4, 5])
     assert kv.add_sequence("b", [9, 9, 9, 9, 5]) == 0  # same (fake) hash, other tokens

@@ -12,7 +12,7 @@ from pagedlearn.labs.handout import exercise_code
 from pagedlearn.labs.runner import FAILED, run_check
 
 LAB = get("attention")
-FILE = "attention.py"
+FILE = "references.py"
 
 
 def test_exercise_cells_alone_get_full_marks():

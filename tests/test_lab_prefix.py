@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 from helpers import grade_lab, lost_points, patched, submit
 
+from pagedlearn.core.prefix_cache import ROOT_HASH, hash_block, make_extra_keys
 from pagedlearn.labs import get
 from pagedlearn.labs.prefix import your_manager
 from pagedlearn.labs.runner import FAILED, run_check
 from pagedlearn.labs.submission import load
-from pagedlearn.prefix_cache import ROOT_HASH, hash_block, make_extra_keys
 
 LAB = get("prefix")
 FILE = "prefix_cache.py"

@@ -110,7 +110,7 @@ TOY = Lab(
     0,
     "toy",
     "none",
-    ("pagedlearn/block_table.py",),
+    ("pagedlearn/core/block_table.py",),
     (Exercise("slots", "slots", {"BlockTable.slot": "find the slot"}),),
 )
 
@@ -327,7 +327,7 @@ def _run_notebook(nb, cwd: Path, timeout: int = 300):
 
     import nbclient
 
-    from pagedlearn.chapters import OFFLINE_ENV
+    from pagedlearn.cli.chapters import OFFLINE_ENV
 
     old = {k: os.environ.get(k) for k in OFFLINE_ENV}
     os.environ.update(OFFLINE_ENV)
@@ -410,7 +410,7 @@ def test_a_wrong_answer_in_a_notebook_prints_the_verdict_and_shows_both_pools():
 
 
 def test_your_kv_cache_manager_uses_a_lab_answer_only_once_it_passes(tmp_path, capsys):
-    from pagedlearn.block_allocator import BlockAllocator
+    from pagedlearn.core.block_allocator import BlockAllocator
     from pagedlearn.labs.plug import nearby, your_kv_cache_manager
 
     lab = get("allocator")

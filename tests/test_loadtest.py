@@ -15,12 +15,12 @@ import pytest
 
 from pagedlearn.__main__ import main
 from pagedlearn.errors import PagedLearnError
-from pagedlearn.loadtest import LoadTestOptionError, default_pool, run_loadtest
-from pagedlearn.loadtest_checks import TenantAudit, kv_waste
-from pagedlearn.loadtest_driver import step_bound
-from pagedlearn.loadtest_mix import MIN_REQUESTS, build_mix
-from pagedlearn.loadtest_report import JSON_KEYS
-from pagedlearn.trace import Event
+from pagedlearn.loadtest.checks import TenantAudit, kv_waste
+from pagedlearn.loadtest.driver import step_bound
+from pagedlearn.loadtest.in_process import LoadTestOptionError, default_pool, run_loadtest
+from pagedlearn.loadtest.mix import MIN_REQUESTS, build_mix
+from pagedlearn.loadtest.report import JSON_KEYS
+from pagedlearn.trace.events import Event
 
 CHECKS = {  # name -> kind, in the order the report lists them
     "every request finished or was cancelled": "correctness",
@@ -120,7 +120,7 @@ def test_a_cache_shared_across_tenants_fails_the_check(broken, monkeypatch):
         prop = property(LLMEngine.model_version.fget, set_version)
         monkeypatch.setattr(LLMEngine, "model_version", prop)
     else:  # the block hashes forget who sent the prompt
-        import pagedlearn.kv_cache_manager as manager
+        import pagedlearn.core.kv_cache_manager as manager
 
         real = manager.make_extra_keys
         monkeypatch.setattr(manager, "make_extra_keys", lambda model_id=None, *_: real(model_id))
@@ -199,12 +199,12 @@ def test_the_command_writes_every_number_and_its_checks(tmp_path, capsys):
 
 @pytest.fixture
 def no_run(monkeypatch):
-    import pagedlearn.loadtest
+    import pagedlearn.loadtest.in_process
 
     def boom(*args, **kwargs):
         raise AssertionError("the load test started before refusing a bad option")
 
-    monkeypatch.setattr(pagedlearn.loadtest, "run_loadtest", boom)
+    monkeypatch.setattr(pagedlearn.loadtest.in_process, "run_loadtest", boom)
 
 
 @pytest.mark.parametrize(
@@ -411,7 +411,7 @@ def test_kv_waste_counts_a_shared_block_once():
 
 
 def test_tails_group_every_request_by_the_fewest_free_blocks_it_lived_through(report):
-    from pagedlearn.loadtest_tails import EDGES, fewest_free_blocks, tails_by_headroom
+    from pagedlearn.loadtest.tails import EDGES, fewest_free_blocks, tails_by_headroom
 
     rows = tails_by_headroom([report])
     assert [r["label"] for r in rows] == ["0", "1-3", "4-15", "16-63", "64+"] and len(EDGES) == 5

@@ -1,4 +1,4 @@
-"""The load test over HTTP (loadtest_http.py): its mix against pagedlearn's own server, the SSE
+"""The load test over HTTP (loadtest/http.py): its mix against pagedlearn's own server, the SSE
 reading on canned streams, the errors a user meets first, and the /metrics reader."""
 
 import asyncio
@@ -13,8 +13,7 @@ import httpx
 import pytest
 
 from pagedlearn.engine.sampling_params import SamplingParams
-from pagedlearn.loadtest import LoadTestOptionError
-from pagedlearn.loadtest_http import (
+from pagedlearn.loadtest.http import (
     HTTPLoadTestError,
     _Run,
     cli,
@@ -23,10 +22,11 @@ from pagedlearn.loadtest_http import (
     run_http_loadtest,
     salt_of,
 )
-from pagedlearn.loadtest_http_report import JSON_KEYS
-from pagedlearn.loadtest_http_stream import sse_lines
-from pagedlearn.loadtest_mix import MIN_REQUESTS, RequestSpec, build_mix
-from pagedlearn.server_metrics import MetricsPageError, parse_metrics
+from pagedlearn.loadtest.http_report import JSON_KEYS
+from pagedlearn.loadtest.http_stream import sse_lines
+from pagedlearn.loadtest.in_process import LoadTestOptionError
+from pagedlearn.loadtest.mix import MIN_REQUESTS, RequestSpec, build_mix
+from pagedlearn.loadtest.server_metrics import MetricsPageError, parse_metrics
 
 KEY = "sk-test-loadtest"
 
@@ -95,7 +95,7 @@ def test_cancelled_streams_were_aborted_and_every_block_came_back(report, server
 
 
 def test_a_pool_that_never_ran_short_says_what_bounds_the_squeeze(report):
-    from pagedlearn.loadtest_http_report import _checks
+    from pagedlearn.loadtest.http_report import _checks
 
     quiet = dataclasses.replace(report, server={**report.server, "preemptions": 0.0})
     hint = next(c.hint for c in _checks(quiet, None) if c.name == "a preemption happened")

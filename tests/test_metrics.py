@@ -16,7 +16,7 @@ from pagedlearn.engine import metrics as metrics_module
 from pagedlearn.engine.metrics import Distribution, EngineMetrics, one_two_five, percentiles
 from pagedlearn.engine.request import Request, RequestMetrics, Sequence
 from pagedlearn.errors import PagedLearnError
-from pagedlearn.trace import EventLog
+from pagedlearn.trace.events import EventLog
 from pagedlearn.viz.panels import stats_html
 from pagedlearn.viz.state import pool_state
 
@@ -80,7 +80,7 @@ def test_recompute_preemptions_count_their_tokens_and_an_estimated_time(recomput
 
 def test_swap_time_is_measured_in_the_swap_copies(monkeypatch):
     """A fake clock in kv_cache.py that moves one second per reading: each copy costs 1 s."""
-    import pagedlearn.kv_cache as kv_cache_module
+    import pagedlearn.attention.kv_cache as kv_cache_module
 
     clock = iter(range(10**6))
     monkeypatch.setattr(kv_cache_module, "time", SimpleNamespace(perf_counter=lambda: next(clock)))

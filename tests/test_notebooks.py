@@ -3,7 +3,7 @@
 CI executes every notebook top to bottom on a CPU, offline (``PAGEDLEARN_OFFLINE=1``: the tiny
 models), from the ``notebooks/`` folder, as a student's JupyterLab would, and checks that the
 outputs committed in each .ipynb (so that a reader can read them without running anything) are
-what the chapter prints now (:mod:`pagedlearn.chapters`). ``pytest --durations=0
+what the chapter prints now (:mod:`pagedlearn.cli.chapters`). ``pytest --durations=0
 tests/test_notebooks.py`` prints how long each one takes.
 """
 
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from pagedlearn import chapters
+from pagedlearn.cli import chapters
 
 jupytext = pytest.importorskip("jupytext")
 nbformat = pytest.importorskip("nbformat")
@@ -43,7 +43,7 @@ def test_pair_is_in_sync(py: Path):
     a, b = _cells(jupytext.read(py)), _cells(jupytext.read(ipynb))
     assert a == b, f"{py.name} and {ipynb.name} differ: run `make notebooks`"
     # Committed with the outputs of a run, so that a reader on GitHub sees every result; minus
-    # what changes on every run (see pagedlearn.chapters).
+    # what changes on every run (see pagedlearn.cli.chapters).
     nb = nbformat.read(ipynb, as_version=4)
     assert nb.metadata.get("widgets") is None, f"{ipynb.name} stores widget state"
     for i, cell in enumerate(c for c in nb.cells if c.cell_type == "code"):
@@ -61,7 +61,7 @@ def test_chapter_layout(py: Path):
     assert first.cell_type == "markdown" and first.source.startswith(f"# {py.stem[:2]} ")
     assert "What you will learn" in first.source and "What you need" in first.source
     code = [c for c in cells if c.cell_type == "code"]
-    assert "setup()" in code[0].source, "the first code cell runs pagedlearn.notebook.setup()"
+    assert "setup()" in code[0].source, "the first code cell runs pagedlearn.cli.notebook.setup()"
     last_md = [c for c in cells if c.cell_type == "markdown"][-1].source
     if py.stem.startswith("08") and "placeholder" in last_md.lower():
         return
@@ -88,12 +88,12 @@ def test_notebook_runs_top_to_bottom_offline(py: Path):
     stale = chapters.stale_cells(nb, nbformat.read(py.with_suffix(".ipynb"), as_version=4))
     assert not stale, (
         f"{py.stem}.ipynb's committed outputs are stale: run `make notebooks` "
-        "(python -m pagedlearn.chapters " + py.stem[:2] + ")\n" + "\n".join(stale[:5])
+        "(python -m pagedlearn.cli.chapters " + py.stem[:2] + ")\n" + "\n".join(stale[:5])
     )
 
 
 def test_setup_asks_the_hub_once_and_falls_back_to_the_tiny_models(monkeypatch):
-    from pagedlearn import notebook
+    from pagedlearn.cli import notebook
     from pagedlearn.models import hub
 
     asked = []

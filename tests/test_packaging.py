@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pagedlearn import check_env
+from pagedlearn.cli import check_env
 
 ROOT = Path(__file__).resolve().parent.parent
 tomllib = pytest.importorskip("tomllib")  # Python >= 3.11

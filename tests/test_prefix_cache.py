@@ -4,7 +4,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pagedlearn.prefix_cache import ROOT_HASH, PrefixCache, hash_block, make_extra_keys
+from pagedlearn.core.prefix_cache import ROOT_HASH, PrefixCache, hash_block, make_extra_keys
 
 EXTRA = make_extra_keys("model-a")
 
@@ -24,7 +24,7 @@ def test_hash_depends_on_parent_tokens_and_extra_keys():
 def test_hash_is_the_same_in_every_process():
     # Built-in hash() is salted per process for str; a block hash must not be.
     code = (
-        "from pagedlearn.prefix_cache import *; "
+        "from pagedlearn.core.prefix_cache import *; "
         "print(hash_block(ROOT_HASH, [1, 2], make_extra_keys('m', 'a', 'salt')).hex())"
     )
     outs = set()

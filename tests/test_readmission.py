@@ -5,11 +5,11 @@ import pytest
 from engine_cases import assert_pool_clean, make_llm
 
 from pagedlearn import SamplingParams
+from pagedlearn.core.kv_cache_manager import KVCacheManager
 from pagedlearn.engine.readmission import readmission_blocks, share_plan
 from pagedlearn.engine.sampling_params import BeamSearchParams
 from pagedlearn.engine.scheduler import SchedulerOutput
 from pagedlearn.errors import PagedLearnError
-from pagedlearn.kv_cache_manager import KVCacheManager
 
 PROMPT = list(b"abcdefghijklmnop" * 3)  # 48 tokens: 12 blocks of 4
 PARAMS = {
@@ -119,7 +119,7 @@ def test_recomputed_tokens_are_those_computed_again_and_lookups_stay_apart(cachi
 
 def test_a_window_refuses_to_share_a_prefix_whose_kv_it_freed():
     """fork_prefix would hand the child null entries that its next query still reads."""
-    from pagedlearn.sliding_window_manager import SlidingWindowManager
+    from pagedlearn.hybrid.sliding_window_manager import SlidingWindowManager
 
     kv = SlidingWindowManager(num_blocks=16, block_size=4, sliding_window=6)
     kv.add_sequence("a", list(range(20)))

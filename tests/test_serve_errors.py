@@ -410,7 +410,7 @@ def test_command_line_options(monkeypatch):
 
 def test_a_block_longer_than_the_context_is_refused_as_the_demo_does(capsys, monkeypatch):
     from pagedlearn.__main__ import main
-    from pagedlearn.demo import OptionError
+    from pagedlearn.cli.demo import OptionError
     from pagedlearn.serve import ServerHandle
 
     def interrupted(self):  # a server that started after all stops at once (no hang)

@@ -221,7 +221,7 @@ def test_prefill_kernel_rows_whose_first_key_tiles_are_all_masked_stay_finite():
     """With TILE_N < BLOCK_M, a query tile's later rows see none of the first key tile (it
     starts at the earliest row's window): their running max stays -inf through it."""
     from kernels.prefix_prefill import BLOCK_M, launch_constants
-    from pagedlearn.attention_inputs import check_prefill
+    from pagedlearn.attention.inputs import check_prefill
 
     args, want, _ = prefill_inputs([(3, 40)], 16, 2, 1, 4, head_dim=256)
     shape = check_prefill(*args, None, False)

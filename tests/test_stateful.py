@@ -35,7 +35,7 @@ from hypothesis.stateful import (
 )
 
 from pagedlearn import KVCacheManager, OutOfBlocksError, PagedLearnError
-from pagedlearn.trace import PoolReplay
+from pagedlearn.trace.events import PoolReplay
 from pagedlearn.viz.state import pool_state, state_of_replay
 
 SYSTEM = [7, 8, 9, 7, 8, 9, 7, 8]  # a shared prefix, repetitive on purpose

@@ -23,9 +23,9 @@ from hypothesis.stateful import (
 )
 
 from pagedlearn import OutOfBlocksError, PagedLearnError
-from pagedlearn.kv_cache_coordinator import KVCacheCoordinator
-from pagedlearn.kv_cache_groups import group_layers
-from pagedlearn.trace import PoolReplay
+from pagedlearn.hybrid.kv_cache_coordinator import KVCacheCoordinator
+from pagedlearn.hybrid.kv_cache_groups import group_layers
+from pagedlearn.trace.events import PoolReplay
 
 SYSTEM = [5, 6, 5, 6, 5, 6, 5, 6, 5, 6]
 prompts = (

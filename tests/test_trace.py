@@ -6,12 +6,12 @@ from helpers import replay_matches
 
 from pagedlearn import KVCacheManager
 from pagedlearn.errors import TraceFileError
-from pagedlearn.trace import Event, EventLog, PoolReplay, Trace
+from pagedlearn.trace.events import Event, EventLog, PoolReplay, Trace
 
 
 def test_nothing_is_built_when_nobody_listens(monkeypatch):
     trace = Trace()
-    monkeypatch.setattr("pagedlearn.trace.Event", None)  # building one would raise
+    monkeypatch.setattr("pagedlearn.trace.events.Event", None)  # building one would raise
     trace.emit("allocate", [1], ["a"])
     assert not trace.listening
 
@@ -190,7 +190,7 @@ def test_replay_refuses_unknown_kinds_and_logs_without_a_pool_size():
         EventLog().replay()
 
 
-# --- trace files from someone else (trace_file.py, trace_checks.py) ----------------------------
+# --- trace files from someone else (trace/file.py, trace/checks.py) ----------------------------
 def session() -> str:
     """A small recorded session (a fork, swaps, a copy-on-write, cached blocks), as JSON."""
     kv = KVCacheManager(6, 2, enable_prefix_caching=True, num_cpu_blocks=4)
@@ -320,7 +320,7 @@ def test_a_recording_begun_after_an_earlier_run_evicts_what_that_run_cached():
 
 
 def test_the_caps_are_read_at_each_load(monkeypatch):
-    import pagedlearn.trace_limits as limits
+    import pagedlearn.trace.limits as limits
 
     text = session()
     monkeypatch.setattr(limits, "MAX_NUM_BLOCKS", 5)

@@ -34,8 +34,8 @@ from hypothesis import strategies as st
 from pagedlearn import KVCacheManager
 from pagedlearn.engine.stats import queue_changes
 from pagedlearn.errors import TraceFileError
-from pagedlearn.trace import Event, EventLog, PoolReplay
-from pagedlearn.trace_file import SHAPES
+from pagedlearn.trace.events import Event, EventLog, PoolReplay
+from pagedlearn.trace.file import SHAPES
 from pagedlearn.viz.panels import RequestBook, inspect_block, stats_html
 from pagedlearn.viz.state import replay_states
 from pagedlearn.viz.timeline import timeline_rows
@@ -86,8 +86,8 @@ def seeds() -> tuple[str, ...]:
 
 def hybrid_run() -> str:
     """A full and a sliding group over one pool: window frees, a hit that skips, swaps."""
-    from pagedlearn.kv_cache_coordinator import KVCacheCoordinator
-    from pagedlearn.kv_cache_groups import group_layers
+    from pagedlearn.hybrid.kv_cache_coordinator import KVCacheCoordinator
+    from pagedlearn.hybrid.kv_cache_groups import group_layers
 
     kv = KVCacheCoordinator(group_layers([None, 4]), 16, 2, True, num_cpu_blocks=8)
     log = kv.record()

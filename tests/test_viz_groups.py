@@ -9,10 +9,10 @@ from matplotlib.patches import ConnectionPatch, Rectangle
 
 from pagedlearn import KVCacheManager
 from pagedlearn.errors import PagedLearnError
-from pagedlearn.kv_cache_coordinator import KVCacheCoordinator
-from pagedlearn.kv_cache_groups import group_layers
-from pagedlearn.sliding_window_manager import SlidingWindowManager
-from pagedlearn.trace import EventLog
+from pagedlearn.hybrid.kv_cache_coordinator import KVCacheCoordinator
+from pagedlearn.hybrid.kv_cache_groups import group_layers
+from pagedlearn.hybrid.sliding_window_manager import SlidingWindowManager
+from pagedlearn.trace.events import EventLog
 from pagedlearn.viz.panels import inspect_block, key_html, requests_html, stats_html
 from pagedlearn.viz.pool import draw_block_pool, pool_figure
 from pagedlearn.viz.pool_labels import group_tags, pool_title

@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from pagedlearn import LLM, KVCacheManager, SamplingParams, trace_limits
+from pagedlearn import LLM, KVCacheManager, SamplingParams
 from pagedlearn.errors import TraceFileError
+from pagedlearn.trace import limits as trace_limits
 from pagedlearn.viz import pool as pool_module
 from pagedlearn.viz import replay as replay_module
 from pagedlearn.viz.live import DPI, MAX_BUTTONS, LiveBlockView, ReplayView

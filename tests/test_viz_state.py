@@ -11,7 +11,7 @@ import pytest
 
 from pagedlearn import KVCacheManager
 from pagedlearn.errors import TraceFileError
-from pagedlearn.trace import Event, EventLog
+from pagedlearn.trace.events import Event, EventLog
 from pagedlearn.viz.state import CACHED, FREE, SHARED, USED, pool_state, replay_states
 
 

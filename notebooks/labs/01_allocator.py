@@ -19,10 +19,10 @@
 # **What you will build.** The two smallest parts of the paged KV cache, the ones everything
 # else stands on, in two exercises:
 #
-# 1. `pool`: the physical block pool of `pagedlearn/block_allocator.py` -- `allocate`,
+# 1. `pool`: the physical block pool of `pagedlearn/core/block_allocator.py` -- `allocate`,
 #    `incref` and `free` of `BlockAllocator`: which blocks are free, in which order they are
 #    handed out, and how many block tables point at each one;
-# 2. `table`: one sequence's block table of `pagedlearn/block_table.py` -- how many blocks a
+# 2. `table`: one sequence's block table of `pagedlearn/core/block_table.py` -- how many blocks a
 #    number of tokens needs, and the *slot* of each token (where its K/V is written).
 #
 # The KV-cache manager, the scheduler and the engine of the later labs run on this code: in

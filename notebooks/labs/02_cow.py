@@ -17,7 +17,7 @@
 # # Lab 2: Fork and copy-on-write
 #
 # **What you will build.** The sharing half of the KV-cache manager
-# (`pagedlearn/kv_cache_manager.py`), what lets the samples of one request (parallel sampling,
+# (`pagedlearn/core/kv_cache_manager.py`), what lets the samples of one request (parallel sampling,
 # beam search) share their prompt's KV blocks, in three exercises:
 #
 # 1. `fork`: `fork`, a new sequence that shares every block of another, and `free_sequence`,

@@ -16,7 +16,7 @@
 # %% [markdown]
 # # Lab 3: The prefix cache: block hashes, verified lookups, lazy eviction
 #
-# **What you will build.** The prefix cache of `pagedlearn/prefix_cache.py`, the part of the
+# **What you will build.** The prefix cache of `pagedlearn/core/prefix_cache.py`, the part of the
 # KV-cache manager that lets a new request reuse the K/V an earlier request already computed
 # for the same leading tokens (a system prompt, few-shot examples, the earlier turns of a
 # chat). Six functions, in three exercises:
@@ -257,8 +257,8 @@ check("evict")
 from IPython.display import display
 
 from pagedlearn import LLM, SamplingParams
+from pagedlearn.cli.notebook import setup
 from pagedlearn.labs.plug import nearby, your_kv_cache_manager
-from pagedlearn.notebook import setup
 from pagedlearn.viz import LiveBlockView, draw_block_pool
 
 env = setup()

@@ -16,8 +16,8 @@
 # %% [markdown]
 # # Lab 4: Paged attention in PyTorch: gather, write, online softmax
 #
-# **What you will build.** The pure-PyTorch references of `pagedlearn/attention.py` that the
-# Triton kernel is built from and checked against, in three exercises:
+# **What you will build.** The pure-PyTorch references of `pagedlearn/attention/references.py` that
+# the Triton kernel is built from and checked against, in three exercises:
 #
 # 1. `gather`: `gather_kv`, one sequence's K/V read back in order through its block table, and
 #    `paged_attention_ref`, decode attention over the paged cache: gather, then attend;
@@ -144,7 +144,7 @@ check("gather")
 # cache, or two tokens sent to one slot, must raise `AttentionInputError` and leave the cache
 # untouched.
 #
-# Hints: chapter 05, section 2, and `pagedlearn/attention_inputs.py` for the checks.
+# Hints: chapter 05, section 2, and `pagedlearn/attention/inputs.py` for the checks.
 
 
 # %% tags=["exercise"]

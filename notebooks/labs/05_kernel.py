@@ -50,7 +50,7 @@
 # ```
 
 # %%
-from pagedlearn.notebook import setup
+from pagedlearn.cli.notebook import setup
 
 env = setup()  # first: without a CUDA GPU it sets TRITON_INTERPRET=1 before Triton is imported
 

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import torch
 
+from pagedlearn.core.kv_cache_manager import KVCacheManager
 from pagedlearn.engine.request import Request, Sequence
-from pagedlearn.kv_cache_manager import KVCacheManager
 
 
 def beam_step(

@@ -41,14 +41,14 @@ from collections.abc import Sequence
 
 import torch
 
+from pagedlearn.attention.kv_cache import KVCache
+from pagedlearn.core.kv_cache_manager import KVCacheManager
 from pagedlearn.engine.llm_engine import LLMEngine, RequestRejectedError
 from pagedlearn.engine.request import RequestOutput
 from pagedlearn.engine.sampling_params import BeamSearchParams, SamplingParams
 from pagedlearn.engine.scheduler import KV_RESERVATIONS, PREEMPTION_MODES
 from pagedlearn.errors import KernelUnavailableError, PagedLearnError
-from pagedlearn.kv_cache import KVCache
-from pagedlearn.kv_cache_coordinator import KVCacheCoordinator
-from pagedlearn.kv_cache_manager import KVCacheManager
+from pagedlearn.hybrid.kv_cache_coordinator import KVCacheCoordinator
 from pagedlearn.models.runner import ModelRunner, kv_cache_spec, max_model_len
 
 CPU_DEFAULT_BYTES = 256 * 2**20
@@ -62,7 +62,7 @@ class LLM:
     "tiny-gpt2", "tiny-opt", "tiny-mistral", "tiny-gemma3", "auto", a local path, a
     ``PreTrainedModel``), or what it returned.
     ``attention_backend``: "torch" (PyTorch's SDPA over the paged cache, planned once per step:
-    :mod:`pagedlearn.attention_sdpa`, checked against the references in
+    :mod:`pagedlearn.attention.sdpa`, checked against the references in
     :mod:`pagedlearn.attention`), "triton" (the kernels; on a CPU only with ``TRITON_INTERPRET=1``
     set before triton is imported), "reference" (the references themselves, slower: the one
     to step through in a debugger), or "auto" (Triton on a GPU, "torch" on a CPU).

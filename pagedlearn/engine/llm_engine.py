@@ -48,6 +48,8 @@ from collections.abc import Callable, Hashable, Sequence
 
 import torch
 
+from pagedlearn.attention.kv_cache import KVCache
+from pagedlearn.core.kv_cache_manager import KVCacheManager
 from pagedlearn.engine.admission import RequestRejectedError, admit
 from pagedlearn.engine.beam_search import beam_step
 from pagedlearn.engine.fast_decode import decode_greedy, is_greedy_decode
@@ -60,10 +62,8 @@ from pagedlearn.engine.sampling_params import BeamSearchParams, SamplingParams
 from pagedlearn.engine.scheduler import Scheduler, SchedulerOutput
 from pagedlearn.engine.stats import StepStats
 from pagedlearn.errors import PagedLearnError
-from pagedlearn.kv_cache import KVCache
-from pagedlearn.kv_cache_manager import KVCacheManager
 from pagedlearn.models.runner import ModelRunner
-from pagedlearn.trace import EventLog
+from pagedlearn.trace.events import EventLog
 
 __all__ = ["LLMEngine", "RequestRejectedError"]  # RequestRejectedError lives in admission.py
 

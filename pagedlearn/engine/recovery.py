@@ -47,7 +47,7 @@ Requests that finished in a step that then raised have their outputs handed out 
 (invariants.py, O(pool), only after a fault). If they fail -- only an exception raised *inside* a
 block-manager operation can do that, e.g. a monkeypatched allocator, or a ``KeyboardInterrupt``
 a trace subscriber raises itself (a subscriber's ``Exception`` is held back by the trace until
-the step's end: trace.py) -- the pool cannot be trusted: every request is failed with the
+the step's end: trace/events.py) -- the pool cannot be trusted: every request is failed with the
 reason and the engine refuses new work (``broken``). So does a tensor-parallel engine whose
 workers are gone (one died, raised or hung: pagedlearn/parallel/executor.py): the KV of every
 request lived in them.
@@ -59,12 +59,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagedlearn.core.kv_cache_manager import uncache_free_blocks
 from pagedlearn.engine.outputs import fail
 from pagedlearn.engine.request import Request, RequestOutput, RequestStatus
 from pagedlearn.engine.scheduler import SchedulerOutput
-from pagedlearn.errors import PagedLearnError, add_note
-from pagedlearn.interrupts import held_interrupts
-from pagedlearn.kv_cache_manager import uncache_free_blocks
+from pagedlearn.errors import PagedLearnError, add_note, held_interrupts
 
 PHASES = ("schedule", "swap_out", "swap_in", "copy", "forward", "sample", "publish")
 MAX_FAULTS = 3  # steps in a row that raised while a request was in flight: then it fails

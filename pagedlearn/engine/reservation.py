@@ -21,9 +21,9 @@ reserves, and how many free blocks nobody has been promised -- for either settin
 
 from __future__ import annotations
 
+from pagedlearn.core.kv_cache_manager import KVCacheManager
 from pagedlearn.engine.request import Request
 from pagedlearn.errors import PagedLearnError
-from pagedlearn.kv_cache_manager import KVCacheManager
 
 KV_RESERVATIONS = ("paged", "max")  # paging (vLLM) or max-length reservation (Orca (Max))
 

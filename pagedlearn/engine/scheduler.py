@@ -48,6 +48,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Iterable
 
+from pagedlearn.core.kv_cache_manager import KVCacheManager
 from pagedlearn.engine.readmission import readmission_blocks
 from pagedlearn.engine.request import Request, RequestStatus
 from pagedlearn.engine.reservation import KV_RESERVATIONS as KV_RESERVATIONS  # (re-exported)
@@ -55,7 +56,6 @@ from pagedlearn.engine.reservation import KVReservation
 from pagedlearn.engine.scheduler_output import ScheduledSequence as ScheduledSequence
 from pagedlearn.engine.scheduler_output import SchedulerOutput as SchedulerOutput
 from pagedlearn.errors import OutOfBlocksError
-from pagedlearn.kv_cache_manager import KVCacheManager
 
 PREEMPTION_MODES = ("recompute", "swap")
 

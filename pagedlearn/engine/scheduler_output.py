@@ -13,7 +13,7 @@
   so that the engine can undo a step that raised (:mod:`pagedlearn.engine.recovery`).
 
 A request's tokens enter the plan in one of two ways, taking their blocks and slots from the
-:class:`~pagedlearn.kv_cache_manager.KVCacheManager` as they do:
+:class:`~pagedlearn.core.kv_cache_manager.KVCacheManager` as they do:
 
 - :meth:`SchedulerOutput.add_prefill`: a waiting request is admitted; its sequences get their
   blocks, all or none, and the prompt's cached prefix is not computed again;
@@ -36,7 +36,7 @@ from pagedlearn.errors import OutOfBlocksError, PagedLearnError
 from pagedlearn.models.runner import SequenceInput
 
 if TYPE_CHECKING:
-    from pagedlearn.kv_cache_manager import KVCacheManager
+    from pagedlearn.core.kv_cache_manager import KVCacheManager
 
 
 @dataclass(init=False)

@@ -276,11 +276,11 @@ class QueueChange:
 def queue_changes(events: Iterable) -> list[QueueChange]:
     """The scheduler's decisions, step by step, read back from a recording.
 
-    ``events``: an :class:`~pagedlearn.trace.EventLog` from ``engine.record()``, or its events.
-    Only the ``step`` events are read: after every step the engine records every request's queue
-    (:meth:`~pagedlearn.engine.llm_engine.LLMEngine.step_info`), so two frames in a row say who
-    moved. One :class:`QueueChange` per frame (an abort between steps adds a frame of its own). A
-    request that no earlier frame lists counts as waiting: it has just arrived. A request
+    ``events``: an :class:`~pagedlearn.trace.events.EventLog` from ``engine.record()``, or its
+    events. Only the ``step`` events are read: after every step the engine records every request's
+    queue (:meth:`~pagedlearn.engine.llm_engine.LLMEngine.step_info`), so two frames in a row say
+    who moved. One :class:`QueueChange` per frame (an abort between steps adds a frame of its own).
+    A request that no earlier frame lists counts as waiting: it has just arrived. A request
     preempted by recompute goes back to waiting, so it is ``admitted`` again later (it prefills
     again); one preempted by swap comes back as ``swapped_in``.
 

@@ -2,12 +2,12 @@
 
 You write the heart of chapter 02 (``02_block_tables_and_the_allocator``):
 
-- ``pool`` -- the three operations of :class:`~pagedlearn.block_allocator.BlockAllocator`:
+- ``pool`` -- the three operations of :class:`~pagedlearn.core.block_allocator.BlockAllocator`:
   ``allocate`` (n blocks, all or nothing; empty blocks first, then cached blocks least recently
   freed, which evicts them), ``incref`` (one more reference; a free *cached* block comes back out
   of the free queue: a prefix-cache hit) and ``free`` (one reference less; at 0 the block joins
   the back of its queue). An operation that raises leaves the pool exactly as it was.
-- ``table`` -- the slot arithmetic of :class:`~pagedlearn.block_table.BlockTable`:
+- ``table`` -- the slot arithmetic of :class:`~pagedlearn.core.block_table.BlockTable`:
   ``blocks_needed`` (a ceiling), ``slot`` and ``slot_mapping``.
 
 What the checks look at. Your pool and the reference's are driven by the same calls; after
@@ -22,7 +22,7 @@ cached blocks are grey.
 
 from __future__ import annotations
 
-from pagedlearn.block_allocator import BlockAllocator as RefAllocator
+from pagedlearn.core.block_allocator import BlockAllocator as RefAllocator
 from pagedlearn.labs.lab import CheckFailed, Exercise, Lab, crashed, explore
 from pagedlearn.labs.twins import Once, Twins
 
@@ -31,7 +31,7 @@ LAB = Lab(
     number=1,
     title="The block pool and the block table",
     chapter="02_block_tables_and_the_allocator",
-    files=("pagedlearn/block_allocator.py", "pagedlearn/block_table.py"),
+    files=("pagedlearn/core/block_allocator.py", "pagedlearn/core/block_table.py"),
     exercises=(
         Exercise(
             "pool",

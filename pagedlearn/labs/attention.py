@@ -37,7 +37,7 @@ LAB = Lab(
     number=4,
     title="Paged attention in PyTorch: gather, write, online softmax",
     chapter="05_paged_attention_kernel",
-    files=("pagedlearn/attention.py",),
+    files=("pagedlearn/attention/references.py",),
     exercises=(
         Exercise(
             "gather",

@@ -1,6 +1,6 @@
 """Lab 2 · Fork and copy-on-write: share blocks between sequences, copy only on a write.
 
-You write the sharing half of :class:`~pagedlearn.kv_cache_manager.KVCacheManager`, chapter 03
+You write the sharing half of :class:`~pagedlearn.core.kv_cache_manager.KVCacheManager`, chapter 03
 (``03_copy_on_write``) in code:
 
 - ``fork`` -- ``fork`` (the child's table is a copy of the parent's, pointing at the same
@@ -26,7 +26,7 @@ Each exercise is graded on its own: the other methods are the reference's, so a 
 
 from __future__ import annotations
 
-from pagedlearn.kv_cache_manager import KVCacheManager as RefKV
+from pagedlearn.core.kv_cache_manager import KVCacheManager as RefKV
 from pagedlearn.labs.lab import CheckFailed, Exercise, Lab, crashed, explore
 from pagedlearn.labs.twins import Twins
 
@@ -35,7 +35,7 @@ LAB = Lab(
     number=2,
     title="Fork and copy-on-write",
     chapter="03_copy_on_write",
-    files=("pagedlearn/kv_cache_manager.py",),
+    files=("pagedlearn/core/kv_cache_manager.py",),
     exercises=(
         Exercise(
             "fork",

@@ -56,7 +56,7 @@ def export(out_dir: str | Path) -> list[Path]:
     files written."""
     import jupytext
 
-    from pagedlearn.chapters import clean
+    from pagedlearn.cli.chapters import clean
     from pagedlearn.labs.notebooks import fill_exercises, lab_notebook
 
     out = Path(out_dir)

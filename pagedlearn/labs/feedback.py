@@ -41,7 +41,7 @@ def given(lab_id: str) -> dict:
 
 def start(lab_id: str, namespace: dict):
     """Prepare a lab notebook's ``namespace`` (its ``globals()``); returns its ``check``."""
-    from pagedlearn.notebook import _show_figures_inline
+    from pagedlearn.cli.notebook import _show_figures_inline
 
     lab = get(lab_id)
     namespace.update(given(lab_id))

@@ -16,8 +16,9 @@ in place of the reference's (the other helper stays the reference's, so each exe
 on its own) and compares the output with :func:`~pagedlearn.attention.paged_attention_ref` on
 tiny float32 inputs (:mod:`pagedlearn.labs.attention_cases`: shuffled blocks, NaN in unwritten
 slots, scores past ``exp``'s range). Without a CUDA GPU the kernel runs in Triton's CPU
-interpreter (``TRITON_INTERPRET=1``, set before Triton is imported: ``pagedlearn.notebook.setup()``
-in the notebook, the grader by itself); with one, it is compiled and runs on the GPU.
+interpreter (``TRITON_INTERPRET=1``, set before Triton is imported:
+``pagedlearn.cli.notebook.setup()`` in the notebook, the grader by itself); with one, it is
+compiled and runs on the GPU.
 
 The mechanism: the kernel's Python function is rebuilt with a copy of its module's globals in
 which ``_attend_tile`` / ``_split_result`` are yours, and jitted again. It is the same for a

@@ -15,7 +15,7 @@ import re
 import sys
 from pathlib import Path
 
-from pagedlearn.chapters import clean
+from pagedlearn.cli.chapters import clean
 from pagedlearn.labs import LAB_IDS, get
 from pagedlearn.labs.handout import EXERCISE_TAG, exercise_code
 

@@ -24,13 +24,13 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from pagedlearn.block_allocator import BlockAllocator
-from pagedlearn.block_table import BlockTable
-from pagedlearn.kv_cache_manager import KVCacheManager
+from pagedlearn.core.block_allocator import BlockAllocator
+from pagedlearn.core.block_table import BlockTable
+from pagedlearn.core.kv_cache_manager import KVCacheManager
+from pagedlearn.core.prefix_cache import PrefixCache
 from pagedlearn.labs import get
 from pagedlearn.labs.runner import run_check
 from pagedlearn.labs.submission import Submission, SubmissionError, load
-from pagedlearn.prefix_cache import PrefixCache
 
 
 def _names(lab_id: str, part) -> dict | None:

@@ -1,7 +1,7 @@
 """Lab 3, ``prefix``: the prefix cache -- block hashes, verified lookups, lazy eviction.
 
 Practises chapter 04 (``notebooks/04_prefix_caching``). The student writes six bodies of
-``pagedlearn/prefix_cache.py``:
+``pagedlearn/core/prefix_cache.py``:
 
 - ``hash``: ``hash_block`` (SHA-256 of the parent hash, the token ids and the extra keys, in the
   package's exact serialisation) and ``hash_blocks`` (the chain over the *full* blocks of a
@@ -27,7 +27,7 @@ allocator hands it out for new data.)
 
 from __future__ import annotations
 
-from pagedlearn import prefix_cache as ref
+from pagedlearn.core import prefix_cache as ref
 from pagedlearn.labs.lab import CheckFailed, Exercise, Lab, explore
 from pagedlearn.labs.prefix_managers import (  # the planted chain, names in messages, the manager
     E0,
@@ -56,7 +56,7 @@ LAB = Lab(
     number=3,
     title="The prefix cache: block hashes, verified lookups, lazy eviction",
     chapter="04_prefix_caching",
-    files=("pagedlearn/prefix_cache.py",),
+    files=("pagedlearn/core/prefix_cache.py",),
     exercises=(
         Exercise(
             "hash",

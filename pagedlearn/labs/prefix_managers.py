@@ -23,8 +23,8 @@ the checks read top to bottom:
 
 from __future__ import annotations
 
-from pagedlearn import prefix_cache as ref
-from pagedlearn.kv_cache_manager import KVCacheManager
+from pagedlearn.core import prefix_cache as ref
+from pagedlearn.core.kv_cache_manager import KVCacheManager
 from pagedlearn.labs.lab import CheckFailed, crashed
 from pagedlearn.labs.plug import your_kv_cache_manager
 from pagedlearn.labs.twins import Twins

@@ -33,11 +33,11 @@ import functools
 
 from hypothesis import strategies as st
 
+from pagedlearn.core.kv_cache_manager import KVCacheManager
 from pagedlearn.engine.request import Request, RequestMetrics, RequestStatus
 from pagedlearn.engine.sampling_params import SamplingParams
 from pagedlearn.engine.scheduler import Scheduler, SchedulerOutput
 from pagedlearn.errors import PagedLearnError
-from pagedlearn.kv_cache_manager import KVCacheManager
 from pagedlearn.labs.engine_runs import Served as Served  # re-exported: the engine harness's
 from pagedlearn.labs.engine_runs import Workload, _ids, compare  # names stay importable from here
 from pagedlearn.labs.engine_runs import serve as serve

@@ -11,7 +11,7 @@ they compute q, k, v as always and hand them to us, and we
    block tables (decode when every sequence brings one token, prefill when some bring several).
 
 Backends: ``"triton"`` runs the kernels (``kernels.write_kv``, ``paged_attention_decode``,
-``paged_attention_prefill``). ``"torch"`` runs :mod:`pagedlearn.attention_sdpa`: the index math
+``paged_attention_prefill``). ``"torch"`` runs :mod:`pagedlearn.attention.sdpa`: the index math
 planned once per step (:meth:`PagedAttentionMetadata.plan`), then per layer ``write_kv_planned``
 and ``attend``, one SDPA call. ``"reference"`` runs the readable references of
 :mod:`pagedlearn.attention` (``write_kv_ref``, ``paged_attention_batched``,
@@ -39,9 +39,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagedlearn.attention_sdpa import AttentionPlan, attend, plan_attention, write_kv_planned
+from pagedlearn.attention.kv_cache import KVCache
+from pagedlearn.attention.sdpa import AttentionPlan, attend, plan_attention, write_kv_planned
 from pagedlearn.errors import PagedLearnError
-from pagedlearn.kv_cache import KVCache
 
 ATTN_IMPLEMENTATION = "pagedlearn"
 BACKENDS = ("torch", "triton", "reference")
@@ -154,7 +154,7 @@ def paged_attention_forward(
             f"layer {layer} of {type(module).__name__} attends with sliding_window="
             f"{kwargs.get('sliding_window')!r}, but its KV-cache group was built for {window!r}"
         )
-    if meta.backend == "torch":  # plan once per step, then SDPA per layer (attention_sdpa.py)
+    if meta.backend == "torch":  # plan once per step, then SDPA per layer (attention/sdpa.py)
         plan = meta.plan(group, key_cache.shape[1], window)
         write_kv_planned(k, v, key_cache, value_cache, plan)  # first write, then read
         return attend(q, key_cache, value_cache, plan, scaling).unsqueeze(0), None

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedlearn.attention.kv_cache import KVCache, KVCacheSpec
 from pagedlearn.errors import PagedLearnError
-from pagedlearn.kv_cache import KVCache, KVCacheSpec
 from pagedlearn.models.paged_attention import (
     ATTN_IMPLEMENTATION,
     BACKENDS,

@@ -52,9 +52,8 @@ from multiprocessing.connection import wait
 
 import torch
 
-from pagedlearn.errors import PagedLearnError, WorkerError
-from pagedlearn.interrupts import held_interrupts
-from pagedlearn.kv_cache import KVCacheSpec
+from pagedlearn.attention.kv_cache import KVCacheSpec
+from pagedlearn.errors import PagedLearnError, WorkerError, held_interrupts
 from pagedlearn.models.runner import SequenceInput, prepare_inputs
 from pagedlearn.parallel.worker import WorkerConfig, worker_main
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import time
 
+from pagedlearn.attention.kv_cache import KVCacheSpec
 from pagedlearn.errors import PagedLearnError
-from pagedlearn.kv_cache import KVCacheSpec
 
 
 class ShardedKVCache:

@@ -36,7 +36,7 @@ from datetime import timedelta
 
 import torch
 
-from pagedlearn.kv_cache import KVCache
+from pagedlearn.attention.kv_cache import KVCache
 from pagedlearn.models.runner import ModelRunner, kv_cache_spec
 
 

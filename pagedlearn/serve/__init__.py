@@ -171,7 +171,7 @@ def serve(
 def _load(model, llm_kwargs: dict):
     """``LLM(model, **llm_kwargs)``, the block size checked against the model's context first,
     before the pool is allocated (the demo's check, with its error)."""
-    from pagedlearn.demo import check_block_size
+    from pagedlearn.cli.demo import check_block_size
     from pagedlearn.engine.llm import LLM
     from pagedlearn.models import LoadedModel, load
 
@@ -264,7 +264,7 @@ def cli(args) -> int:
     """``python -m pagedlearn serve``: serve until Ctrl-C or SIGTERM (``kill``; a background
     ``serve &`` of a non-interactive shell ignores Ctrl-C's SIGINT). Exit 2 for an option the
     model rules out (as the demo), 1 if it cannot start."""
-    from pagedlearn.demo import OptionError
+    from pagedlearn.cli.demo import OptionError
 
     env_key = os.environ.get("PAGEDLEARN_API_KEY") or None
     api_key = args.api_key or env_key

@@ -24,7 +24,7 @@ The model of what the sequences do (ours; the paper does not spell it out):
 
 import random
 
-from pagedlearn.kv_cache_manager import KVCacheManager
+from pagedlearn.core.kv_cache_manager import KVCacheManager
 from pagedlearn.sim.workloads import paper_workload
 
 DIVERGENCE = 0.1  # our prior choice: a beam is replaced about every 10 steps (swept below)

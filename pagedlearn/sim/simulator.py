@@ -38,8 +38,8 @@ Where a slot is, in the paper's Figure 2 words (:meth:`breakdown`):
 from collections import deque
 from dataclasses import dataclass
 
+from pagedlearn.core.kv_cache_manager import KVCacheManager
 from pagedlearn.errors import OutOfBlocksError, PagedLearnError
-from pagedlearn.kv_cache_manager import KVCacheManager
 from pagedlearn.sim.buddy import BuddyAllocator
 
 CATEGORIES = ("token_states", "reserved", "internal", "buddy_rounding", "free")

@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pagedlearn.kv_cache import KVCache
+from pagedlearn.attention.kv_cache import KVCache
 from pagedlearn.models import GPT2_SIZE_RANDOM, load
 from pagedlearn.models.runner import ModelRunner, SequenceInput, kv_cache_spec, max_model_len
 

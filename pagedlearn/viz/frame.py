@@ -36,8 +36,8 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedlearn.block_events import group_seq_id, split_group_seq_id
-from pagedlearn.block_table import NULL_BLOCK
+from pagedlearn.core.block_table import NULL_BLOCK
+from pagedlearn.trace.block_events import group_seq_id, split_group_seq_id
 
 FREE, CACHED, USED, SHARED = "free", "cached", "used", "shared"
 

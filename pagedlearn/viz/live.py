@@ -46,7 +46,7 @@ import time
 
 import ipywidgets as w
 
-from pagedlearn.trace_file import FRAME_KINDS
+from pagedlearn.trace.file import FRAME_KINDS
 from pagedlearn.viz.colors import Palette
 from pagedlearn.viz.live_workers import LiveSlabs, shows_workers, stacked_png
 from pagedlearn.viz.panels import RequestBook

@@ -18,7 +18,7 @@ from __future__ import annotations
 import html
 from dataclasses import replace
 
-from pagedlearn.block_table import NULL_BLOCK
+from pagedlearn.core.block_table import NULL_BLOCK
 from pagedlearn.viz.pool_labels import FIXED_LOOKS, group_entries, group_tags, token_text
 from pagedlearn.viz.state import PoolState, RequestState, step_label
 from pagedlearn.viz.style import OUTLINE_COLOR

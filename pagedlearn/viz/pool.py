@@ -48,7 +48,7 @@ PAD = 0.06  # gap around a cell, in cell widths
 # The most blocks a picture draws: a cell of 4-5 matplotlib artists each, 16 a row, so at the limit
 # a figure is 256 rows (160 inches) tall, about 0.5 GiB to draw (measured), and no reader finds a
 # block in it. The chapters draw at most 160; a trace file within its caps may describe 4 million
-# (trace_limits.py), a GPU engine sized by memory tens of thousands. Read at each call: a course
+# (trace/limits.py), a GPU engine sized by memory tens of thousands. Read at each call: a course
 # may raise it (pagedlearn.viz.pool.MAX_DRAWN_BLOCKS = ...).
 MAX_DRAWN_BLOCKS = 4096
 

@@ -1,6 +1,6 @@
 """Scrub through a recorded run: the live view's picture and panels, frame by frame, no model.
 
-:class:`ReplayView` rebuilds every frame of an :class:`~pagedlearn.trace.EventLog` with
+:class:`ReplayView` rebuilds every frame of an :class:`~pagedlearn.trace.events.EventLog` with
 :func:`~pagedlearn.viz.state.replay_states` -- the same ``PoolState`` s the live view drew, with
 the same colours (the run's colour assignment travels in the states, see
 :mod:`pagedlearn.viz.colors`) -- and draws them through the same code
@@ -20,9 +20,9 @@ import os
 
 import ipywidgets as w
 
-from pagedlearn import trace_limits
 from pagedlearn.errors import TraceFileError
-from pagedlearn.trace import EventLog
+from pagedlearn.trace import limits as trace_limits
+from pagedlearn.trace.events import EventLog
 from pagedlearn.viz.panels import RequestBook
 from pagedlearn.viz.pool import check_drawable
 from pagedlearn.viz.state import PoolState, aborted, replay_states

@@ -1,9 +1,10 @@
 """Where a frame comes from: a live manager or engine, or a replayed trace.
 
 - **live**: :func:`pool_state` reads a :class:`~pagedlearn.KVCacheManager` -- or the
-  :class:`~pagedlearn.kv_cache_coordinator.KVCacheCoordinator` of a model with several KV-cache
-  groups, or an ``LLM`` / ``LLMEngine``, which add their requests and stats -- as it is now;
-- **replay**: :func:`state_of_replay` reads a :class:`~pagedlearn.trace.PoolReplay` as of a
+  :class:`~pagedlearn.hybrid.kv_cache_coordinator.KVCacheCoordinator` of a model with several
+  KV-cache groups, or an ``LLM`` / ``LLMEngine``, which add their requests and stats -- as it is
+  now;
+- **replay**: :func:`state_of_replay` reads a :class:`~pagedlearn.trace.events.PoolReplay` as of a
   ``step`` event -- no model, no manager.
 
 Both go through :func:`build_state`, so they cannot drift apart. A coordinator's tables are read
@@ -21,8 +22,8 @@ from __future__ import annotations
 from collections.abc import Hashable
 from typing import Any
 
-from pagedlearn.block_events import group_seq_id
-from pagedlearn.block_table import NULL_BLOCK
+from pagedlearn.core.block_table import NULL_BLOCK
+from pagedlearn.trace.block_events import group_seq_id
 from pagedlearn.viz.frame import BlockState, PoolState, RequestState
 
 
@@ -155,7 +156,7 @@ def _group_tables(kv) -> tuple[dict, dict, dict]:
 def state_of_replay(
     replay, block_size: int, kv_groups: tuple[str, ...] = (), cache_reset: int | None = None
 ) -> PoolState:
-    """A :class:`~pagedlearn.trace.PoolReplay` (as of a ``step`` event) as a ``PoolState``;
+    """A :class:`~pagedlearn.trace.events.PoolReplay` (as of a ``step`` event) as a ``PoolState``;
     ``kv_groups``: the KV-cache groups the recording names (``meta["kv_groups"]``), if any.
     ``cache_reset``: the replay is as of a ``cache_reset`` event that dropped that many blocks
     (the frame then says what the last step said: :func:`reset_info`)."""

@@ -6,8 +6,8 @@ comes from one of two places that must agree:
 - **live**: :func:`pool_state` reads a :class:`~pagedlearn.KVCacheManager` (or an ``LLM`` /
   ``LLMEngine``, which adds its requests and stats) as it is now;
 - **replay**: :func:`replay_states` rebuilds the same thing from a recorded event trace
-  (:class:`~pagedlearn.trace.EventLog`) at every ``step`` event -- no model, no manager -- and
-  at every ``cache_reset`` (a prefix-cache reset between steps gets a frame of its own, which
+  (:class:`~pagedlearn.trace.events.EventLog`) at every ``step`` event -- no model, no manager --
+  and at every ``cache_reset`` (a prefix-cache reset between steps gets a frame of its own, which
   ``step_label`` names: "step 7 (prefix cache reset: 5 cached blocks dropped)").
 
 The tests check that both give equal states at every step of a run, so a lab can hand out a JSON
@@ -23,7 +23,7 @@ everything a drawing reads.
 
 from __future__ import annotations
 
-from pagedlearn.trace_file import FRAME_KINDS
+from pagedlearn.trace.file import FRAME_KINDS
 from pagedlearn.viz.frame import (  # noqa: F401 (re-exported: this module names them all)
     CACHED,
     FREE,
@@ -53,11 +53,11 @@ def replay_states(log) -> list[tuple[int, PoolState]]:
     colours (``state.colors``: one :class:`~pagedlearn.viz.colors.Palette` observes the
     frames in order, so a request has one colour in every drawing of the run).
 
-    ``log`` is an :class:`~pagedlearn.trace.EventLog` (``llm.engine.record()``, or
+    ``log`` is an :class:`~pagedlearn.trace.events.EventLog` (``llm.engine.record()``, or
     ``EventLog.from_json`` of a file a lab handed out). A log without step events (a manager
     driven by hand that never called ``kv.mark_step``) has no frames.
     """
-    from pagedlearn.trace import PoolReplay
+    from pagedlearn.trace.events import PoolReplay
     from pagedlearn.viz.colors import Palette  # a lower module, but it imports matplotlib
 
     if "num_blocks" not in log.meta or "block_size" not in log.meta:

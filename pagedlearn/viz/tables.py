@@ -27,7 +27,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import ConnectionPatch, Rectangle
 from matplotlib.patheffects import Normal, Stroke
 
-from pagedlearn.block_table import NULL_BLOCK
+from pagedlearn.core.block_table import NULL_BLOCK
 from pagedlearn.viz.pool import PoolArtist
 from pagedlearn.viz.state import PoolState, groups_in_order, pool_state, step_label
 from pagedlearn.viz.style import OUTLINE_COLOR, Palette, styled

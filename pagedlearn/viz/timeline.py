@@ -18,7 +18,7 @@ Read together, they show the scheduler's rule: the pool fills, a step runs out o
 latest request is preempted, the waiting line grows, and the used area drops.
 
 Every number comes from the run itself, through :func:`timeline_rows` (which notebooks can print
-as a table): a recorded :class:`~pagedlearn.trace.EventLog` (replayed frame by frame with
+as a table): a recorded :class:`~pagedlearn.trace.events.EventLog` (replayed frame by frame with
 :func:`~pagedlearn.viz.state.replay_states`), a list of :class:`~pagedlearn.viz.state.PoolState`,
 or the engine's per-step :class:`~pagedlearn.engine.stats.StepStats`.
 """
@@ -64,7 +64,7 @@ RESETS = ("cache_resets", "cache_reset_blocks")
 def timeline_rows(source) -> list[dict]:
     """One dict per frame (engine step) of ``source``, in order; what the timeline draws.
 
-    ``source``: an :class:`~pagedlearn.trace.EventLog` with ``step`` events (``log =
+    ``source``: an :class:`~pagedlearn.trace.events.EventLog` with ``step`` events (``log =
     llm.engine.record()`` before generating), a list of :class:`PoolState`, or a list of
     :class:`~pagedlearn.engine.stats.StepStats` (or their ``as_dict()``).
 

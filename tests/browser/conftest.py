@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from pagedlearn import chapters
+from pagedlearn.cli import chapters
 
 # Switch this on in CI (`.ci/run`): there a missing browser is a broken set-up, not a reason to
 # skip, and a tier that silently skips checks nothing.

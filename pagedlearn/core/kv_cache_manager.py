@@ -1,0 +1,560 @@
+"""The KV-cache manager: block tables, sharing, copy-on-write, prefix caching and swapping.
+
+This is what a serving engine's scheduler talks to (vLLM calls its version the block manager or
+KV cache manager). It owns
+
+- a :class:`BlockPool` (which physical blocks are free, refcounts: the rules of
+  :class:`BlockAllocator`, block_allocator.py, with a faster common path, block_pool.py),
+- one :class:`BlockTable` per sequence (logical -> physical blocks, tokens, slots), kept in a
+  :class:`SequenceTables` that knows which are on the GPU and which are swapped out,
+- a prefix cache when ``enable_prefix_caching`` (hash -> block for full blocks: the
+  :class:`PrefixCache` of prefix_cache.py, in its faster form from prefix_cache_fast.py),
+- a second pool over a CPU swap pool when ``num_cpu_blocks > 0``,
+- a :class:`Trace` that announces every block operation (trace/events.py; block_events.py emits
+them).
+
+It never touches a tensor. It answers "where does token i's K/V go?" (``append_token`` returns a
+slot; ``slot_mapping`` gives all of them) and "which blocks must be copied before the next kernel
+runs?" (``pop_copies``, ``swap_out``, ``swap_in``); the engine applies those to the KV tensors.
+
+Rules worth knowing:
+
+- Blocks are allocated on demand, one per ``block_size`` tokens; at most the last block of a
+  sequence is partly empty.
+- ``fork`` shares every block (refcount +1). The first write into a *shared, partly filled* last
+  block copies it first (copy-on-write): a fresh block, a pending ``(src, dst)`` copy, one reference
+  less on ``src``. The sibling that writes next owns ``src`` alone and copies nothing.
+- With prefix caching, a prompt reuses cached full blocks from the start of the prompt, but never
+  all of it: at least one token must be computed to get logits, so (as in vLLM and nano-vllm) the
+  reused prefix is capped at ``len(prompt) - 1`` tokens, rounded down to whole blocks.
+- A free cached block stays findable until an allocation takes it for new data; then its hash is
+  forgotten and an ``evict`` event names the sequence that took it.
+- Any operation that raises leaves every table, refcount and cache entry as it was.
+
+Swapping (preemption by swap, the paper's section 4.5) is in swap.py: with ``num_cpu_blocks > 0``,
+``swap_out`` moves the samples of a request to a CPU pool (their tables stay, naming CPU blocks)
+and ``swap_in`` brings them back. Like copy-on-write, swaps return copies for the engine, which
+applies them before the next forward pass in this order: swap-out, swap-in, copy-on-write.
+The rules that must hold after every operation are checked in invariants.py.
+
+A model that mixes sliding-window and full-attention layers has several KV-cache groups
+(kv_cache_groups.py): :class:`~pagedlearn.hybrid.kv_cache_coordinator.KVCacheCoordinator` then runs
+one manager per group over one shared pool (``share_pool_of``), and a sliding group's manager
+(sliding_window_manager.py) frees the blocks its window has left behind
+(``remove_skipped_blocks``: a no-op here, where every layer sees every token).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Hashable, Iterable
+from typing import Any
+
+from pagedlearn.core import swap
+from pagedlearn.core.block_pool import BlockPool
+from pagedlearn.core.block_table import NULL_BLOCK, BlockTable
+from pagedlearn.core.invariants import check_invariants
+from pagedlearn.core.prefix_cache import ROOT_HASH, make_extra_keys, parent_hash
+from pagedlearn.core.prefix_cache_fast import FastPrefixCache
+from pagedlearn.core.sequence_tables import SequenceTables, check_token, check_tokens, id_list
+from pagedlearn.errors import OutOfBlocksError, PagedLearnError
+from pagedlearn.trace.block_events import BlockEvents
+from pagedlearn.trace.events import EventLog, StepMarker, Trace
+
+
+class KVCacheManager:
+    """Paged KV-cache bookkeeping for many sequences sharing one pool of ``num_blocks`` blocks.
+
+    >>> kv = KVCacheManager(num_blocks=8, block_size=4)
+    >>> kv.add_sequence("a", [1, 2, 3, 4, 5])      # 5 tokens -> 2 blocks; returns reused tokens
+    0
+    >>> kv.block_table("a"), kv.slot_mapping("a")
+    ([0, 1], [0, 1, 2, 3, 4])
+    >>> kv.fork("a", "b"); kv.append_token("b", 9)  # b writes into the shared block 1: CoW
+    9
+    >>> kv.pop_copies()                               # the engine copies block 1 -> block 2
+    [(1, 2)]
+
+    With ``num_cpu_blocks``, a request's samples can be swapped out together and back in
+    (``swap_out``, ``swap_in``: see swap.py).
+
+    The parts it is built from are class attributes, so that a subclass can swap in its own --
+    the labs run a real model on a student's allocator, block table and prefix cache this way
+    (``LLM(..., kv_cache_manager=...)``, see :mod:`pagedlearn.labs.plug`).
+    """
+
+    # The fast twins of block_allocator.py's BlockAllocator and prefix_cache.py's PrefixCache
+    # (same rules, same hashes; tests/test_fast_paths.py checks each against its plain twin).
+    # Set these to BlockAllocator and PrefixCache to run on the plain ones, as
+    # benchmarks/bench_block_manager.py's PlainKVCacheManager does.
+    allocator_class = BlockPool
+    block_table_class = BlockTable
+    prefix_cache_class = FastPrefixCache
+    # Whether remove_skipped_blocks can free anything: a scheduler skips calling it otherwise.
+    has_sliding_window = False
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = False,
+        model_id: Hashable = None,
+        num_cpu_blocks: int = 0,
+        *,
+        share_pool_of: KVCacheManager | None = None,
+        group: str | None = None,
+    ) -> None:
+        """``share_pool_of`` and ``group`` are for :class:`KVCacheCoordinator`: the managers of a
+        model's KV-cache groups share one manager's pools, prefix cache, trace and pending
+        copies, and each announces its events under ``"<seq id>|<group>"``."""
+        if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
+            raise PagedLearnError(f"block_size must be a positive int, got {block_size!r}")
+        n_cpu = num_cpu_blocks
+        if not isinstance(n_cpu, int) or isinstance(n_cpu, bool) or n_cpu < 0:
+            raise PagedLearnError(f"num_cpu_blocks must be an int >= 0, got {n_cpu!r}")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.model_id = model_id  # part of every block hash: no sharing across models
+        pool = share_pool_of
+        self.trace = pool.trace if pool else Trace()
+        self.allocator = pool.allocator if pool else self.allocator_class(num_blocks)
+        if pool:
+            self.prefix_cache = pool.prefix_cache
+        else:
+            self.prefix_cache = self.prefix_cache_class() if enable_prefix_caching else None
+        # The swap pool holds KV only while its sequence is swapped out: no caching, no eviction.
+        if pool:
+            self.cpu_allocator = pool.cpu_allocator
+        else:
+            self.cpu_allocator = self.allocator_class(n_cpu) if n_cpu else None
+        self._seqs = SequenceTables()  # every sequence's table, on the GPU or swapped out
+        self._sizer = self.block_table_class(block_size)  # an empty table: blocks_needed asks it
+        # The same dicts under the names the tests and viz/state.py read.
+        self._tables, self._swapped = self._seqs.gpu, self._seqs.cpu
+        self._extra_keys = self._seqs.extra_keys
+        self._events = BlockEvents(self.trace, group)
+        self._marker = StepMarker()
+        # Pending copy-on-write (src, dst); one list for all the groups sharing a pool.
+        self._copies: list[tuple[int, int]] = pool._copies if pool else []
+        self._counters = {
+            "prefix_query_tokens": 0,
+            "prefix_hit_tokens": 0,
+            "cow_copies": 0,
+            "allocation_failures": 0,
+            "swap_out_blocks": 0,
+            "swap_in_blocks": 0,
+        }
+
+    # --- the sequence lifecycle ----------------------------------------------------------------
+    def add_sequence(
+        self,
+        seq_id: Hashable,
+        token_ids: Iterable[int],
+        cache_salt: Hashable = None,
+        adapter_id: Hashable = None,
+    ) -> int:
+        """Give a new sequence blocks for its prompt; returns how many prompt tokens reuse cached
+        KV (their prefill can be skipped). Raises :class:`OutOfBlocksError`, changing nothing,
+        when the pool cannot hold the prompt."""
+        self._seqs.check_new(seq_id)
+        tokens = check_tokens(token_ids)
+        extra = make_extra_keys(self.model_id, adapter_id, cache_salt)
+        hashes, hits = self._find_prefix(tokens, extra)
+        return self._add_found(seq_id, tokens, extra, hashes, hits)
+
+    def _add_found(
+        self, seq_id: Hashable, tokens: list[int], extra: tuple, hashes: list, hits: list[int]
+    ) -> int:
+        """:meth:`add_sequence` once the prompt's prefix-cache ``hits`` are known (the
+        coordinator finds them for every group first, so that all groups reuse as many)."""
+        bs = self.block_size
+        # Hits that sit in the free queue are taken out of it, so they count against free space.
+        # (A sliding group's hits may start with NULL_BLOCK entries: blocks its window skips.)
+        live_hits = [b for b in hits if b != NULL_BLOCK] if hits else hits
+        revived = sum(1 for b in live_hits if self.allocator.refcount(b) == 0) if hits else 0
+        num_new = -(-len(tokens) // bs) - len(hits)  # ceil(tokens / block_size), less the hits
+        if num_new + revived > self.allocator.num_free_blocks:
+            self._counters["allocation_failures"] += 1
+            raise OutOfBlocksError(
+                num_new + revived,
+                self.allocator.num_free_blocks,
+                self.allocator.num_blocks,
+                what=f"add_sequence({seq_id!r}) with {len(tokens)} tokens",
+            )
+        # Nothing below can fail. Incref the hits first so that allocate cannot evict them.
+        if hits:
+            self.allocator.incref(live_hits)
+            self._events.cache_hit(seq_id, live_hits, skipped=len(hits) - len(live_hits))
+        new = self._allocate(num_new, seq_id)
+        self._events.allocate(seq_id, new)
+        table = self.block_table_class(bs, hits + new, tokens, hashes)
+        self._seqs.add(seq_id, table, extra)
+        if self.prefix_cache is not None:
+            # Register the prompt's full blocks now: the prefill that follows writes their KV,
+            # and a request with the same prefix arriving next step can already share them.
+            self._index_blocks(seq_id, table, start=len(hits))
+            self._counters["prefix_query_tokens"] += len(tokens)
+            self._counters["prefix_hit_tokens"] += len(hits) * bs
+        return len(hits) * bs
+
+    def append_token(self, seq_id: Hashable, token_id: int) -> int:
+        """Add one generated token; returns the slot where its K/V must be written.
+
+        Allocates a block on a block boundary; copies on write if the last block is shared.
+        """
+        # The engine calls this for every running sequence in every step, so the common case
+        # calls no helper: ``self._seqs.on_gpu``, ``check_token`` and ``table.slot(pos)``
+        # are inlined (each still runs where the fast check fails, to name the problem).
+        try:
+            table = self._tables[seq_id]  # a running sequence: the common case
+        except (KeyError, TypeError):
+            table = self._seqs.on_gpu(seq_id)  # raises, naming what is wrong with the id
+        token = token_id if type(token_id) is int and token_id >= 0 else check_token(token_id)
+        pos = len(table.token_ids)
+        if pos % self.block_size == 0:  # the last block is full (or there is none): a new one
+            (block,) = self._allocate(1, seq_id, f"append_token({seq_id!r}) at position {pos}")
+            table.block_ids.append(block)
+            self._events.allocate(seq_id, (block,))
+        elif self.allocator.refcount(src := table.block_ids[-1]) > 1:  # shared partial block
+            (dst,) = self._allocate(1, seq_id, f"copy-on-write for {seq_id!r}")
+            self.allocator.free([src])  # one sharer fewer; the others keep src untouched
+            table.block_ids[-1] = dst
+            self._copies.append((src, dst))
+            self._counters["cow_copies"] += 1
+            self._events.cow_copy(seq_id, src, dst)
+        table.token_ids.append(token)
+        if self.prefix_cache is not None and (pos + 1) % self.block_size == 0:  # now full
+            self._cache_full_block(seq_id, table)
+        if type(table) is not BlockTable:  # a plugged-in table (a lab answer): its own slot()
+            return table.slot(pos)
+        return table.block_ids[-1] * self.block_size + pos % self.block_size  # table.slot(pos)
+
+    def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
+        """Make ``child_id`` a copy of ``parent_id`` that shares all its blocks (no KV copied)."""
+        parent = self._seqs.on_gpu(parent_id)
+        self._seqs.check_new(child_id)
+        blocks = parent.live_blocks()  # a sliding window's null entries stay null in both
+        self.allocator.incref(blocks)
+        self._seqs.add(child_id, parent.copy(), self._seqs.extra_keys[parent_id])
+        self._events.incref(parent_id, child_id, blocks)
+
+    def fork_prefix(self, parent_id: Hashable, child_id: Hashable, num_tokens: int) -> None:
+        """Make ``child_id`` share only the first ``num_tokens`` tokens of ``parent_id`` (whole
+        blocks: a multiple of ``block_size``); the child then appends its own tokens. The
+        scheduler re-admits the samples of a request preempted by recompute this way, so that
+        they share their prompt's blocks again (:mod:`pagedlearn.engine.readmission`). Whole
+        blocks only, because a shared partly filled block would be copied on the child's first
+        write, before the forward pass has written the parent's part of it. Raises
+        :class:`PagedLearnError`, changing nothing, when it cannot share them."""
+        self.check_fork_prefix(parent_id, child_id, num_tokens)
+        source, bs, n = self._seqs.on_gpu(parent_id), self.block_size, num_tokens
+        k = n // bs
+        prefix = self.block_table_class(
+            bs, source.block_ids[:k], source.token_ids[:n], source.block_hashes[:k]
+        )
+        self.allocator.incref(prefix.live_blocks())
+        self._seqs.add(child_id, prefix, self._seqs.extra_keys[parent_id])
+        self._events.incref(parent_id, child_id, prefix.live_blocks(), prefix=k)
+
+    def check_fork_prefix(self, parent_id: Hashable, child_id: Hashable, num_tokens: int) -> None:
+        """Raise :class:`PagedLearnError` if ``fork_prefix`` would refuse (changes nothing)."""
+        source, bs, n = self._seqs.on_gpu(parent_id), self.block_size, num_tokens
+        self._seqs.check_new(child_id)  # a new id, before anything changes
+        if (
+            not isinstance(n, int)
+            or isinstance(n, bool)
+            or n % bs
+            or not 0 <= n <= source.num_tokens
+        ):
+            raise PagedLearnError(
+                f"fork_prefix({parent_id!r}, {child_id!r}, {n!r}): num_tokens must be a multiple "
+                f"of block_size {bs} between 0 and the parent's {source.num_tokens} tokens"
+            )
+
+    def free_sequence(self, seq_id: Hashable) -> None:
+        """Return a finished (or aborted) sequence's blocks. Cached blocks stay findable until
+        evicted. A swapped-out sequence gives back its CPU blocks."""
+        on_cpu = self._seqs.is_swapped(seq_id)
+        # Tail first: the tail of a sequence is the least likely to be shared, so it should be
+        # the first evicted -- freeing it first puts it nearer the front of the LRU queue.
+        blocks = self._seqs.table(seq_id).live_blocks()[::-1]
+        (self.cpu_allocator if on_cpu else self.allocator).free(blocks)
+        self._events.free(seq_id, blocks, cpu=on_cpu)
+        self._seqs.remove(seq_id)
+
+    def pop_copies(self) -> list[tuple[int, int]]:
+        """Pending copy-on-write copies ``(src, dst)``; apply them to the KV tensors before the
+        next attention call, after this step's swap copies (see the module docstring). Cleared on
+        read."""
+        copies = list(self._copies)
+        self._copies.clear()  # in place: the groups of a coordinator share this list
+        return copies
+
+    def remove_skipped_blocks(self, seq_id: Hashable, num_computed_tokens: int) -> int:
+        """Free the blocks that no query from position ``num_computed_tokens`` on will read
+        again; returns how many (vLLM's name). With full attention every query reads every
+        earlier token, so nothing is ever skipped: 0. A sliding-window group frees the blocks
+        its window has left behind (sliding_window_manager.py); the scheduler calls this for
+        every running sequence before it plans the sequence's next tokens."""
+        self._seqs.on_gpu(seq_id)  # an unknown or swapped-out id raises, as elsewhere
+        return 0
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix (vLLM's name): afterwards no prompt hits a block cached
+        before, e.g. after the weights changed. Returns how many cached blocks were dropped and
+        emits one ``cache_reset`` event naming them (the views mark it).
+
+        Refused (:class:`PagedLearnError`, nothing changed) while any sequence holds blocks, on
+        the GPU or swapped out, as vLLM refuses: their blocks are in the cache too, and they
+        would go on registering blocks computed before the reset. Without prefix caching there
+        is nothing to drop: 0."""
+        held = self.sequences() + self.swapped_sequences()
+        if held:
+            raise PagedLearnError(
+                f"reset_prefix_cache refused: {len(held)} sequences still hold blocks "
+                f"({', '.join(map(repr, held[:4]))}{', ...' if len(held) > 4 else ''}); "
+                "free them (finish or abort their requests) first"
+            )
+        if self.prefix_cache is None:
+            return 0
+        return len(drop_free_cached_blocks(self.allocator, self.prefix_cache, self.trace))
+
+    # --- swapping (swap.py: the rules, the copy order, the code) -----------------------------
+    def swap_out(self, seq_ids: Iterable[Hashable]) -> list[tuple[int, int]]:
+        """Move a group of sequences (the samples of one request) to the CPU pool; returns the
+        ``(gpu_block, cpu_block)`` copies to apply first. See
+        :func:`pagedlearn.core.swap.swap_out`."""
+        copies = swap.swap_out(self, seq_ids)
+        self._counters["swap_out_blocks"] += len(copies)
+        return copies
+
+    def swap_in(self, seq_ids: Iterable[Hashable]) -> list[tuple[int, int]]:
+        """Bring a swapped-out group back to the GPU; returns the ``(cpu_block, gpu_block)``
+        copies to apply after swap-out ones. See :func:`pagedlearn.core.swap.swap_in`."""
+        copies = swap.swap_in(self, seq_ids)
+        self._counters["swap_in_blocks"] += len(copies)
+        return copies
+
+    # --- queries -------------------------------------------------------------------------------
+    def block_table(self, seq_id: Hashable) -> list[int]:
+        try:  # a running sequence, asked every step: one dict lookup
+            return list(self._tables[seq_id].block_ids)
+        except (KeyError, TypeError):
+            return list(self._seqs.on_gpu(seq_id).block_ids)  # raises, naming the problem
+
+    def slot_mapping(self, seq_id: Hashable) -> list[int]:
+        return self._seqs.on_gpu(seq_id).live_slots()
+
+    def block_tables(self, seq_id: Hashable) -> list[list[int]]:
+        """The sequence's block table in every KV-cache group: one here (the coordinator of a
+        hybrid model has one per group). What the model runner hands attention."""
+        return [self.block_table(seq_id)]
+
+    def slots(self, seq_id: Hashable, start: int = 0) -> list[list[int]]:
+        """The slots of token positions ``start..`` in every KV-cache group (one here)."""
+        return [self._seqs.on_gpu(seq_id).live_slots(start)]
+
+    def min_blocks_to_run(self, num_tokens: int) -> int:
+        """The fewest blocks a sequence of ``num_tokens`` tokens can run in, its prompt
+        prefilled in chunks: all of them here (every query reads every earlier token); a
+        sliding-window group needs only its window's. A scheduler asks before it gives up on
+        a request that grew past the pool."""
+        return self.blocks_needed(num_tokens)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        """Blocks a new sequence of ``num_tokens`` tokens takes: ceil(num_tokens / block_size)
+        (the coordinator sums its groups). A scheduler asks it to size an admission."""
+        return self._sizer.blocks_needed(num_tokens)  # the table class's own rule
+
+    def token_ids(self, seq_id: Hashable) -> list[int]:
+        return list(self._seqs.table(seq_id).token_ids)  # swapped sequences too
+
+    def cached_prefix_tokens(
+        self, token_ids: Iterable[int], cache_salt: Hashable = None, adapter_id: Hashable = None
+    ) -> int:
+        """How many leading tokens ``add_sequence(..., token_ids)`` would reuse from the prefix
+        cache right now (0 without caching). Changes nothing: a scheduler asks it to size a
+        prefill chunk so that the chunk starts after the cached prefix."""
+        extra = make_extra_keys(self.model_id, adapter_id, cache_salt)
+        _, hits = self._find_prefix(check_tokens(token_ids), extra)
+        return len(hits) * self.block_size
+
+    def num_tokens(self, seq_id: Hashable) -> int:
+        """How many tokens the sequence holds KV slots for (O(1); swapped sequences too)."""
+        try:  # a running sequence, asked every step: one dict lookup
+            return len(self._tables[seq_id].token_ids)
+        except (KeyError, TypeError):
+            return self._seqs.table(seq_id).num_tokens  # swapped out, or raises
+
+    def sequences(self) -> list[Hashable]:
+        """Ids of the sequences whose blocks are on the GPU (not the swapped-out ones)."""
+        return list(self._seqs.gpu)
+
+    def swapped_sequences(self) -> list[Hashable]:
+        """Ids of the swapped-out sequences (their KV is in the CPU pool)."""
+        return list(self._seqs.cpu)
+
+    def is_swapped(self, seq_id: Hashable) -> bool:
+        return self._seqs.is_swapped(seq_id)
+
+    def __contains__(self, seq_id: Hashable) -> bool:
+        return seq_id in self._seqs
+
+    def blocks_to_append(self, seq_ids: Iterable[Hashable]) -> int:
+        """GPU blocks that appending one token to each of ``seq_ids``, in order, would allocate:
+        new blocks plus copy-on-write copies. Changes nothing; a scheduler asks before a step.
+
+        A full last block needs a new one. A shared partial last block (refcount ``r > 1``)
+        needs a copy -- but when ``k`` of its sharers append, only ``min(k, r - 1)`` copy: each
+        copy drops one reference, and the last writer owns the block alone. An id listed twice
+        appends twice.
+
+        >>> kv = KVCacheManager(num_blocks=8, block_size=4)
+        >>> kv.add_sequence("a", [1, 2, 3, 4, 5, 6]); kv.fork("a", "b"); kv.fork("a", "c")
+        0
+        >>> kv.blocks_to_append(["a", "b", "c"])    # block 1 has 3 sharers: 2 copies
+        2
+        >>> kv.add_sequence("d", [1, 2, 3, 4])      # full last block: d needs a new one
+        0
+        >>> kv.blocks_to_append(["a", "d"]), kv.blocks_to_append(["d", "d", "d", "d", "d"])
+        (2, 2)
+        """
+        ids = id_list(seq_ids, "blocks_to_append")
+        tables = {s: self._seqs.on_gpu(s) for s in ids}  # an unknown or swapped-out id raises
+        new_blocks = 0
+        writers: Counter[int] = Counter()  # shared partial last block -> sequences writing into it
+        for s, k in Counter(ids).items():  # s appends k tokens
+            table = tables[s]
+            # Blocks that num_tokens + k tokens need, less those the sequence holds already.
+            new_blocks += table.blocks_needed(table.num_tokens + k) - len(table.block_ids)
+            if table.num_tokens % self.block_size:  # s's first token goes into its last block
+                writers[table.block_ids[-1]] += 1
+        copies = sum(min(k, self.allocator.refcount(b) - 1) for b, k in writers.items())
+        return new_blocks + copies
+
+    def blocks_to_swap_in(self, seq_ids: Iterable[Hashable]) -> int:
+        """GPU blocks ``swap_in(seq_ids)`` would allocate (see swap.py); changes nothing."""
+        return swap.blocks_to_swap_in(self, seq_ids)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.allocator.num_free_blocks
+
+    def stats(self) -> dict[str, Any]:
+        """Pool usage and counters, the numbers vLLM operators watch. ``num_seqs`` counts the
+        sequences on the GPU, ``swapped_seqs`` those on the CPU; ``swap_out_blocks`` and
+        ``swap_in_blocks`` count the blocks copied so far in each direction."""
+        a, cpu = self.allocator, self.cpu_allocator
+        return {
+            "num_blocks": a.num_blocks,
+            "block_size": self.block_size,
+            "num_seqs": len(self._seqs.gpu),
+            "swapped_seqs": len(self._seqs.cpu),
+            "cpu_blocks": cpu.num_blocks if cpu else 0,
+            "cpu_used_blocks": cpu.num_blocks - cpu.num_free_blocks if cpu else 0,
+            "used_blocks": a.num_blocks - a.num_free_blocks,
+            "free_blocks": a.num_free_blocks,
+            "cached_blocks": a.num_cached_free_blocks,  # free, but holding a reusable prefix
+            "shared_blocks": a.num_shared_blocks,  # refcount > 1
+            **self._counters,
+            "evictions": a.num_evictions,
+        }
+
+    def record(self) -> EventLog:
+        """Start recording every block event (for replay, JSON export, pictures)."""
+        meta = {"num_blocks": self.allocator.num_blocks, "block_size": self.block_size}
+        if self.cpu_allocator is not None:
+            meta["num_cpu_blocks"] = self.cpu_allocator.num_blocks
+        return EventLog(self.trace, meta=meta)
+
+    def mark_step(self, **info) -> None:
+        """Emit a ``step`` event: a frame for replays and live views, with every sequence's
+        token count, its new tokens since the last mark, and ``info`` (JSON-able values).
+        The engine marks after each step; a lab driving the manager by hand may mark too."""
+        self._marker.mark(self.trace, self._seqs.all(), info)
+
+    def check_invariants(self) -> None:
+        """Raise :class:`PagedLearnError` naming the first broken invariant (see invariants.py)."""
+        check_invariants(
+            self._seqs, self.allocator, self.cpu_allocator, self.prefix_cache, self.block_size
+        )
+
+    # --- internals (swap.py uses _allocate and _index_blocks too) ------------------------------
+    def _allocate(self, n: int, seq_id: Hashable, what: str = "") -> list[int]:
+        """``n`` fresh GPU blocks for ``seq_id``'s new data (``what`` names the request in an
+        :class:`OutOfBlocksError`). A free cached block taken here loses its prefix-cache entry:
+        the allocator hands out empty blocks first, cached ones least recently used first."""
+        try:
+            blocks = self.allocator.allocate(n)
+        except OutOfBlocksError as e:
+            self._counters["allocation_failures"] += 1
+            raise OutOfBlocksError(e.needed, e.free, e.total, what=what) from None
+        if self.prefix_cache is not None:
+            for b in blocks:
+                if (block_hash := self.prefix_cache.evict(b)) is not None:  # it was cached
+                    self._events.evict(seq_id, b, block_hash)
+        return blocks
+
+    def _find_prefix(
+        self, tokens: list[int], extra: tuple, limit: int | None = None
+    ) -> tuple[list[bytes], list[int]]:
+        """The hashes of the prompt's full blocks and the cached blocks that hold its longest
+        prefix, never all of it (see ``PrefixCache.match``), at most ``limit`` of them;
+        ``[], []`` without caching."""
+        if self.prefix_cache is None:
+            return [], []
+        hashes, hits = self.prefix_cache.match(tokens, self.block_size, extra)
+        return hashes, hits if limit is None else hits[:limit]
+
+    def _cache_full_block(self, seq_id: Hashable, table: BlockTable) -> None:
+        """The last block of ``table`` just filled up: hash it (chained on the block before) and
+        register it in the prefix cache, so that a later prompt can find it."""
+        j = table.num_full_blocks - 1
+        parent, extra = parent_hash(table.block_hashes, j), self._seqs.extra_keys[seq_id]
+        table.block_hashes.append(
+            self.prefix_cache.hash_block(parent, table.block_tokens(j), extra)
+        )
+        self._index_blocks(seq_id, table, start=j)
+
+    def _index_blocks(self, seq_id: Hashable, table: BlockTable, start: int = 0) -> None:
+        """Register ``table``'s hashed full blocks from logical block ``start`` on in the prefix
+        cache, so that other requests find them (content indexed already keeps its block)."""
+        if self.prefix_cache is None:
+            return
+        extra, bs = self._seqs.extra_keys[seq_id], self.block_size
+        tokens, hashes, insert = table.token_ids, table.block_hashes, self.prefix_cache.insert
+        listening = self.trace.listening
+        for j in range(start, len(hashes)):  # a prompt registers many: few calls per block
+            block = table.block_ids[j]
+            if block == NULL_BLOCK:  # freed by a sliding window: nothing there to find
+                continue
+            block_tokens = tokens[j * bs : (j + 1) * bs]
+            parent = hashes[j - 1] if j else ROOT_HASH  # parent_hash(hashes, j)
+            if insert(hashes[j], block, parent, block_tokens, extra):
+                self.allocator.mark_cached(block)
+                if listening:
+                    self._events.cache_store(seq_id, block, hashes[j], block_tokens)
+
+
+def uncache_free_blocks(allocator, prefix_cache) -> list[tuple[int, bytes]]:
+    """Make every free cached block an empty one and forget its hash; returns ``(block,
+    hash)`` for each. Blocks in use keep their entries. An allocator forgets that a block is
+    cached only when it hands it out, so every free block is handed out and taken back, in the
+    same order (the allocator counts each cached one as an eviction). Emits nothing: the
+    caller says why (a reset, or recovery.py dropping blocks whose K/V may never have been
+    written)."""
+    if not allocator.num_cached_free_blocks:
+        return []
+    blocks = allocator.allocate(allocator.num_free_blocks)  # the empty ones first
+    dropped = [(b, h) for b in blocks if (h := prefix_cache.evict(b)) is not None]
+    allocator.free(blocks)  # back in the same order, all of them empty now
+    return dropped
+
+
+def drop_free_cached_blocks(allocator, prefix_cache, trace) -> list[int]:
+    """:func:`uncache_free_blocks` for a reset: not an eviction, so not counted as one; emits a
+    ``cache_reset`` event naming the dropped blocks, and returns them."""
+    dropped = [b for b, _ in uncache_free_blocks(allocator, prefix_cache)]
+    allocator.num_evictions -= len(dropped)
+    trace.emit("cache_reset", tuple(dropped), ())
+    return dropped
