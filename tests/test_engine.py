@@ -309,3 +309,36 @@ def test_another_decoder_needs_no_config_entry():
         )[0, len(prompt) :].tolist()
         assert out.outputs[0].token_ids == want
     assert_pool_clean(llm)
+
+
+def _serve_steps(final_only: bool) -> tuple[list, list]:
+    """Serve a mixed workload step by step: each step's outputs, and the block trace."""
+    llm = make_llm(num_blocks=24)  # tight: preemptions happen
+    engine = llm.engine
+    log = engine.record()
+    workload = [
+        ("g", PROMPTS[0], SamplingParams(max_tokens=10)),
+        ("n3", PROMPTS[1], SamplingParams(n=3, temperature=0.8, seed=1, max_tokens=9)),
+        ("beam", PROMPTS[2], BeamSearchParams(beam_width=3, max_tokens=6)),
+        ("stop", PROMPTS[3], SamplingParams(max_tokens=20, stop=["e", "zz"], ignore_eos=True)),
+    ]
+    for rid, prompt, params in workload:
+        engine.add_request(rid, list(prompt), params, final_only=final_only)
+    steps = []
+    while engine.has_unfinished_requests():
+        steps.append(
+            [(o.request_id, o.finished, [(c.token_ids, c.finish_reason) for c in o.outputs])
+             for o in engine.step()]
+        )  # fmt: skip
+    events = [(e.kind, e.blocks, e.seqs) for e in log.events]
+    assert engine.scheduler.num_preemptions["recompute"] > 0
+    return steps, events
+
+
+def test_final_only_leaves_out_the_outputs_of_requests_still_running():
+    """``add_request(..., final_only=True)`` (what LLM.generate asks for) changes only which
+    outputs ``step()`` returns: the finished ones, the same; the blocks move the same."""
+    every, every_events = _serve_steps(final_only=False)
+    final, final_events = _serve_steps(final_only=True)
+    assert final == [[o for o in step if o[1]] for step in every]
+    assert final_events == every_events

@@ -115,7 +115,7 @@ def run(requests, plan=(), check=True, max_calls=300, **kw):
         if check:
             kv.check_invariants()
             assert replay_matches(kv, replay)
-            assert replay.swapped == {s: kv._swapped[s].block_ids for s in kv.swapped_sequences()}
+            assert replay.swapped == {s: kv._seqs.cpu[s].block_ids for s in kv.swapped_sequences()}
             assert engine.broken is None
     else:
         pytest.fail(f"not finished after {max_calls} steps: {engine.stats().summary()}")
@@ -323,6 +323,71 @@ def test_a_fault_in_any_phase_is_recovered(phase, kind):
     assert faults.fired, f"the workload never reached {phase}"
     assert_same_or_failed(got, undisturbed(WORKLOAD, **CONFIG), faults)
     assert all(o.error is None for o in got.values())  # one fault: nobody fails
+
+
+# --- a fault inside an operation of the step, not between phases ----------------------------------
+MIXED = (
+    ("g", tuple(PROMPTS[0]), SamplingParams(max_tokens=10)),  # EOS may end it
+    ("n3", tuple(PROMPTS[1]), SamplingParams(n=3, temperature=0.8, seed=1, max_tokens=9)),
+    ("n2g", tuple(PROMPTS[3]), SamplingParams(n=2, max_tokens=8, ignore_eos=True)),
+    ("beam", tuple(PROMPTS[2]), BeamSearchParams(beam_width=3, max_tokens=6)),
+    ("stop", tuple(PROMPTS[2]), SamplingParams(max_tokens=20, stop=["e", "zz"], ignore_eos=True)),
+    ("seeded-greedy", tuple(PROMPTS[1]), SamplingParams(max_tokens=5, seed=4)),
+)
+
+
+def _fault_at(engine, owner: str, name: str, calls: set[int]) -> list[int]:
+    """Make ``engine.<owner>.<name>`` raise :class:`Injected` on its call numbers ``calls``, at
+    most once per step (so never inside the recovery of a fault); returns the calls that raised."""
+    obj = engine if owner == "engine" else getattr(engine, owner)
+    real, real_step, seen, fired, in_step = getattr(obj, name), engine.step, [0], [], [False]
+
+    def call(*args, **kw):
+        seen[0] += 1
+        if seen[0] in calls and not in_step[0]:
+            in_step[0] = True
+            fired.append(seen[0])
+            raise Injected(f"{name} call {seen[0]}")
+        return real(*args, **kw)
+
+    def step():
+        in_step[0] = False
+        return real_step()
+
+    setattr(obj, name, call)
+    engine.step = step
+    return fired
+
+
+@pytest.mark.parametrize(
+    "owner, name, calls",
+    [
+        ("engine", "_stop_reason", {3, 40, 41, 90}),  # while sampling: the snapshot restores it
+        ("kv", "free_sequence", {1, 5}),  # a finishing request's free
+        ("kv", "append_token", {10, 70}),  # while planning the next tokens
+        ("runner", "execute", {6}),
+    ],
+)
+def test_a_fault_inside_an_operation_is_recovered(owner, name, calls):
+    """Every request ends with the tokens of a run without faults (greedy, seeded sampling and
+    beam search: the snapshot restores the generator too), and the pool is clean."""
+    want = undisturbed(MIXED)
+    llm = make_llm()
+    engine = llm.engine
+    fired = _fault_at(engine, owner, name, calls)
+    for rid, prompt, params in MIXED:
+        engine.add_request(rid, list(prompt), params)
+    outs = {}
+    for _ in range(300):
+        if not engine.has_unfinished_requests():
+            break
+        try:
+            outs.update((o.request_id, o) for o in engine.step() if o.finished)
+        except Injected:
+            assert engine.last_recovery is not None and engine.broken is None
+    assert fired, f"{name} was never called at {calls}"
+    assert {rid: [c.token_ids for c in o.outputs] for rid, o in outs.items()} == want
+    assert_pool_clean(llm)
 
 
 # --- Ctrl-C during bookkeeping ----------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""The engine's parts one by one: KV tensors, sizing, the HF attention plug-in, the sampler."""
+"""The engine's parts one by one: KV tensors, sizing, the HF attention plug-in, the sampler, the
+planning of a running request's next tokens."""
 
 from __future__ import annotations
 
@@ -8,7 +9,10 @@ from engine_cases import PROMPTS, assert_pool_clean, greedy, make_llm
 
 from pagedlearn import SamplingParams
 from pagedlearn.attention.kv_cache import KVCache, KVCacheSpec
+from pagedlearn.core.kv_cache_manager import KVCacheManager
+from pagedlearn.engine.request import Request, RequestMetrics
 from pagedlearn.engine.sampler import Sampler
+from pagedlearn.engine.scheduler_output import SchedulerOutput
 from pagedlearn.engine.stats import queue_changes
 from pagedlearn.errors import PagedLearnError
 from pagedlearn.models import load
@@ -140,3 +144,67 @@ def test_queue_changes_read_the_policy_back_from_a_recording(mode):
     groups = [e.seqs for e in log.events if e.kind == "preempt" and e.seqs[0].startswith("b.")]
     assert groups and all(set(g) == {"b.0", "b.1", "b.2"} for g in groups)  # all or nothing
     assert sorted(r for c in changes for r in c.finished) == arrival
+
+
+# --- Sampler.greedy: numpy, against its torch reference -------------------------------------------
+@pytest.mark.parametrize("rows", [0, 1, 7, 64])
+def test_greedy_matches_the_torch_reference(rows):
+    g = torch.Generator().manual_seed(rows)
+    logits = torch.randn(rows, 50, generator=g)
+    logits[:, 10] = logits[:, 3] = 10.0  # above any randn: a tie, the lowest id wins
+    logits[:, 20:30] = float("-inf")
+    if rows > 1:
+        logits[1] = 0.0  # a row of equal values: id 0
+    logprobs = Sampler().logprobs(logits)
+    assert Sampler().greedy(logprobs) == Sampler().greedy_ref(logprobs)
+    assert all(tok == 3 for tok, _ in Sampler().greedy(logprobs)[2:])
+
+
+# --- SchedulerOutput.add_next_tokens: the one planner of a running request's tokens ---------------
+def _decoding_state(block_size: int):
+    """A manager with requests in the middle of decoding: sequences at and off block boundaries,
+    forks sharing a partly filled last block (copy-on-write), a request with kv_dropped marks,
+    prefix caching on; each sequence holds one token more than the manager (the newest sample)."""
+    kv = KVCacheManager(num_blocks=256, block_size=block_size, enable_prefix_caching=True)
+    reqs = []
+    for i, (n_prompt, n_forks) in enumerate([(3, 0), (4, 0), (8, 2), (5, 1), (1, 0), (7, 0)]):
+        prompt = [(7 * i + j) % 250 + 1 for j in range(n_prompt)]
+        req = Request(f"r{i}", None, prompt, SamplingParams(n=n_forks + 1), RequestMetrics(0.0), i)
+        first = req.new_sequence(list(prompt))
+        kv.add_sequence(first.seq_id, prompt)
+        req.seqs = [first]
+        for _ in range(n_forks):
+            child = req.new_sequence(list(prompt))
+            kv.fork(first.seq_id, child.seq_id)
+            req.seqs.append(child)
+        for k, seq in enumerate(req.seqs):
+            seq.token_ids.append(200 + k)  # sampled last step, no KV yet
+        reqs.append(req)
+    reqs[5].kv_dropped = {reqs[5].seqs[0].seq_id: 9}  # re-admitted: its next token is recomputed
+    return kv, reqs
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_add_next_tokens_plans_each_token_at_the_slot_the_manager_gives_it(block_size):
+    """The planned slots (for one KV-cache group, those ``append_token`` returned) are the
+    manager's ``slots`` of the new tokens, across block boundaries and copy-on-write; a decode
+    is a chunk of one, a longer chunk plans its tokens the same way."""
+    kv, reqs = _decoding_state(block_size)
+    out = SchedulerOutput()
+    for step in range(3):  # three steps: boundaries move, copies happen once
+        planned = len(out.scheduled)
+        for req in reqs:
+            out.add_next_tokens(kv, req, chunk=3 if step == 2 else 1)
+        for s in out.scheduled[planned:]:
+            assert s.slots == kv.slots(s.seq.seq_id, s.start_pos)
+            assert s.block_tables == kv.block_tables(s.seq.seq_id)
+            assert s.start_pos + len(s.new_tokens) == kv.num_tokens(s.seq.seq_id)
+            assert s.samples == (kv.num_tokens(s.seq.seq_id) == len(s.seq.token_ids))
+        for req in reqs:
+            for seq in req.seqs:
+                seq.token_ids += [99] * (1 if step < 1 else 3)
+    assert [r.request_id for r in out.touched] == [r.request_id for r in reqs] * 3
+    assert out.recomputed_tokens == 2  # positions 7 and 8 are below the mark at 9
+    assert reqs[5].kv_dropped == {}
+    assert (kv.pop_copies() != []) == (block_size > 1)  # copy-on-write happened
+    kv.check_invariants()

@@ -13,8 +13,8 @@ import torch
 from engine_cases import PROMPTS, assert_pool_clean, greedy, hf_model, make_llm, tokens
 
 from pagedlearn import BeamSearchParams, SamplingParams
-from pagedlearn.engine import llm_engine
 from pagedlearn.engine.request import Logprob
+from pagedlearn.engine.sampler import Sampler
 from pagedlearn.errors import PagedLearnError
 
 
@@ -113,22 +113,21 @@ def test_parallel_samples_get_separate_lists_and_outputs_are_copies():
     assert_pool_clean(llm)
 
 
-def test_without_logprobs_the_fast_greedy_path_runs(monkeypatch):
+def test_without_logprobs_none_are_computed(monkeypatch):
     calls = []
-    fast = llm_engine.decode_greedy
+    token_logprobs = Sampler.token_logprobs
 
     def counted(*args):
         calls.append(1)
-        return fast(*args)
+        return token_logprobs(*args)
 
-    monkeypatch.setattr(llm_engine, "decode_greedy", counted)
+    monkeypatch.setattr(Sampler, "token_logprobs", counted)
     llm = make_llm()
     outs = llm.generate(PROMPTS, greedy(6), use_tqdm=False)
     assert all(c.logprobs is None for o in outs for c in o.outputs)
-    assert len(calls) > 0  # the fast path served them
-    del calls[:]
+    assert calls == []  # a request that does not ask costs nothing
     outs = llm.generate(PROMPTS, greedy(6, logprobs=2), use_tqdm=False)
-    assert calls == []  # requests that ask go through _sample, which computes them
+    assert len(calls) == len(PROMPTS) * 6  # one per sampled token of the requests that ask
     assert_in_step(outs)
     (beams,) = llm.beam_search([PROMPTS[0]], BeamSearchParams(2, 4), use_tqdm=False)
     assert all(c.logprobs is None for c in beams.outputs)  # beam search has none

@@ -276,47 +276,10 @@ class LLM:
         requests it added -- their blocks go back to the pool, their outputs are dropped -- and
         re-raises: the engine stays usable, and the next ``generate`` starts clean. Requests
         added to ``llm.engine`` by other code stay queued."""
-        return self._run(prompts, sampling_params or SamplingParams(), use_tqdm, lora_request)
-
-    def beam_search(
-        self, prompts, params: BeamSearchParams, use_tqdm: bool = True, lora_request=None
-    ) -> list[RequestOutput]:
-        """Beam search for every prompt (as ``generate`` takes them, ``lora_request`` too);
-        each output holds ``beam_width`` beams, best first."""
-        if not isinstance(params, BeamSearchParams):
-            raise PagedLearnError(
-                f"beam_search needs BeamSearchParams, got {type(params).__name__}"
-            )
-        return self._run(prompts, params, use_tqdm, lora_request)
-
-    def collective_rpc(self, method, args: tuple = (), kwargs: dict | None = None) -> list:
-        """Run ``method`` on every worker and return the results, by rank (vLLM's name).
-        ``method``: a :class:`~pagedlearn.parallel.Worker` method's name ("describe",
-        "block_usage"), or a function called as ``method(worker, *args, **kwargs)`` (with
-        ``tensor_parallel_size > 1`` it must be importable by name: a module-level function,
-        since it is pickled to the worker processes). With one worker it runs here, on the
-        whole model and cache."""
-        from pagedlearn.parallel import collective_rpc
-
-        return collective_rpc(self.engine, method, args, kwargs)
-
-    def shutdown(self) -> None:
-        """Stop the tensor-parallel workers now (idempotent; garbage collection and interpreter
-        exit do it too). With one worker there is nothing to stop. Afterwards the engine
-        refuses to step."""
-        if self.tensor_parallel_size > 1:
-            self.engine.runner.shutdown()
-
-    def reset_prefix_cache(self) -> int:
-        """Forget every cached prefix (vLLM's name; see ``LLMEngine.reset_prefix_cache``):
-        returns how many cached blocks were dropped, where vLLM returns a bool. Refused while a
-        request holds blocks (``generate`` leaves none behind)."""
-        return self.engine.reset_prefix_cache()
-
-    def _run(self, prompts, params, use_tqdm: bool, lora_request=None) -> list[RequestOutput]:
         from tqdm.auto import tqdm
 
         prompts = _as_prompt_list(prompts)
+        params = sampling_params or SamplingParams()
         if isinstance(params, (SamplingParams, BeamSearchParams)):
             params = [params] * len(prompts)
         elif len(params) != len(prompts):
@@ -355,6 +318,41 @@ class LLM:
                     engine.abort_request(rid)
             raise
         return [results[rid] for rid in ids]
+
+    def beam_search(
+        self, prompts, params: BeamSearchParams, use_tqdm: bool = True, lora_request=None
+    ) -> list[RequestOutput]:
+        """Beam search for every prompt (as ``generate`` takes them, ``lora_request`` too);
+        each output holds ``beam_width`` beams, best first."""
+        if not isinstance(params, BeamSearchParams):
+            raise PagedLearnError(
+                f"beam_search needs BeamSearchParams, got {type(params).__name__}"
+            )
+        return self.generate(prompts, params, use_tqdm, lora_request)
+
+    def collective_rpc(self, method, args: tuple = (), kwargs: dict | None = None) -> list:
+        """Run ``method`` on every worker and return the results, by rank (vLLM's name).
+        ``method``: a :class:`~pagedlearn.parallel.Worker` method's name ("describe",
+        "block_usage"), or a function called as ``method(worker, *args, **kwargs)`` (with
+        ``tensor_parallel_size > 1`` it must be importable by name: a module-level function,
+        since it is pickled to the worker processes). With one worker it runs here, on the
+        whole model and cache."""
+        from pagedlearn.parallel import collective_rpc
+
+        return collective_rpc(self.engine, method, args, kwargs)
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers now (idempotent; garbage collection and interpreter
+        exit do it too). With one worker there is nothing to stop. Afterwards the engine
+        refuses to step."""
+        if self.tensor_parallel_size > 1:
+            self.engine.runner.shutdown()
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix (vLLM's name; see ``LLMEngine.reset_prefix_cache``):
+        returns how many cached blocks were dropped, where vLLM returns a bool. Refused while a
+        request holds blocks (``generate`` leaves none behind)."""
+        return self.engine.reset_prefix_cache()
 
 
 def _tp_line(cache, executor) -> str:

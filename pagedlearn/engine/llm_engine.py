@@ -37,7 +37,7 @@ its version), the LoRA adapter and the cache salt::
 Stop strings (``SamplingParams(stop=...)``) are checked here too, after every sampled token
 (:meth:`LLMEngine._stop_reason`), by decoding only the tail of the samples that ask for them.
 So are per-token logprobs (``SamplingParams(logprobs=k)``), read off the same rows as the sampled
-tokens in ``_sample`` (the fast greedy path leaves the requests that ask for them to it).
+tokens in ``_sample``.
 """
 
 from __future__ import annotations
@@ -52,7 +52,6 @@ from pagedlearn.attention.kv_cache import KVCache
 from pagedlearn.core.kv_cache_manager import KVCacheManager
 from pagedlearn.engine.admission import RequestRejectedError, admit
 from pagedlearn.engine.beam_search import beam_step
-from pagedlearn.engine.fast_decode import decode_greedy, is_greedy_decode
 from pagedlearn.engine.metrics import EngineMetrics
 from pagedlearn.engine.outputs import detokenize, fail, finish, frame, mark, publish, request_output
 from pagedlearn.engine.recovery import Recovery, StepJournal, held_interrupts, recover
@@ -70,10 +69,6 @@ __all__ = ["LLMEngine", "RequestRejectedError"]  # RequestRejectedError lives in
 
 class LLMEngine:
     """Continuous batching over a paged KV cache. Built by :class:`~pagedlearn.LLM`."""
-
-    # A greedy request with one sequence is advanced by fast_decode.decode_greedy, not by the
-    # general code in _process (False: the general code; tests compare the two).
-    fast_decodes = True
 
     def __init__(
         self,
@@ -267,55 +262,52 @@ class LLMEngine:
                 outputs, self._undelivered = self._undelivered, []
                 return outputs
             raise PagedLearnError(f"this engine cannot step: {self.broken}")
-        self._journal = journal = StepJournal(self._undelivered)
+        self._journal = j = StepJournal(self._undelivered)
         self._undelivered = []
         try:
-            return self._step(journal)
+            t0 = time.perf_counter()
+            with held_interrupts():  # bookkeeping: Ctrl-C waits until it is whole
+                sched = self.scheduler.schedule(j.sched)
+                t1 = time.perf_counter()
+                for s in sched.scheduled:
+                    if s.request.metrics.first_scheduled_time is None:
+                        s.request.metrics.first_scheduled_time = t1
+                for req in sched.failed:
+                    j.outputs.append(fail(self, req))
+            # Order matters: swap-outs read blocks that swap-ins or copies may now overwrite.
+            j.phase = "swap_out"
+            self.kv_cache.swap_out(sched.swap_out)
+            j.phase = "swap_in"
+            self.kv_cache.swap_in(sched.swap_in)
+            j.phase = "copy"
+            self.kv_cache.copy_blocks(self.kv.pop_copies())
+            forward_time = 0.0
+            if sched.scheduled:
+                j.phase = "forward"
+                t2 = time.perf_counter()
+                # A ScheduledSequence is a SequenceInput: the plan goes in as it is (a copy
+                # of the list, so that the runner may do with it what it likes).
+                logits = self.runner.execute(list(sched.scheduled))
+                j.phase = "sample"
+                logprobs = self.sampler.logprobs(logits)  # (S, vocab) on the CPU
+                t3 = time.perf_counter()
+                forward_time = t3 - t2
+                with held_interrupts():
+                    j.outputs += self._process(sched, logprobs, t3)
+                    j.phase = "publish"  # a Ctrl-C held until here finds all sampled
+            j.phase = "publish"
+            t4 = time.perf_counter()
+            self.num_steps += 1
+            # Bookkeeping: the scheduler (with the block manager's appends, admissions,
+            # preemptions) plus the Python after the forward (sampling, stop checks, frees).
+            post = (t4 - t3) if sched.scheduled else (t4 - t1)
+            publish(self, sched, j.outputs, t4 - t0, forward_time, (t1 - t0) + post)
+            return j.outputs
         except BaseException as exc:
-            recover(self, journal, exc)  # never raises; notes on exc what it did
+            recover(self, j, exc)  # never raises; notes on exc what it did
             raise
         finally:
             self._journal = None
-
-    def _step(self, j: StepJournal) -> list[RequestOutput]:
-        t0 = time.perf_counter()
-        with held_interrupts():  # bookkeeping: Ctrl-C waits until it is whole
-            sched = self.scheduler.schedule(j.sched)
-            t1 = time.perf_counter()
-            for s in sched.scheduled:
-                if s.request.metrics.first_scheduled_time is None:
-                    s.request.metrics.first_scheduled_time = t1
-            for req in sched.failed:
-                j.outputs.append(fail(self, req))
-        # Order matters: swap-outs read blocks that swap-ins or copies may now overwrite.
-        j.phase = "swap_out"
-        self.kv_cache.swap_out(sched.swap_out)
-        j.phase = "swap_in"
-        self.kv_cache.swap_in(sched.swap_in)
-        j.phase = "copy"
-        self.kv_cache.copy_blocks(self.kv.pop_copies())
-        forward_time = 0.0
-        if sched.scheduled:
-            j.phase = "forward"
-            t2 = time.perf_counter()
-            # A ScheduledSequence is a SequenceInput: the plan goes in as it is (a copy of the
-            # list, so that the runner may do with it what it likes).
-            logits = self.runner.execute(list(sched.scheduled))
-            j.phase = "sample"
-            logprobs = self.sampler.logprobs(logits)  # (S, vocab) on the CPU
-            t3 = time.perf_counter()
-            forward_time = t3 - t2
-            with held_interrupts():
-                j.outputs += self._process(sched, logprobs, t3)
-                j.phase = "publish"  # a Ctrl-C held until here finds every request sampled
-        j.phase = "publish"
-        t4 = time.perf_counter()
-        self.num_steps += 1
-        # Bookkeeping: the scheduler (with the block manager's appends, admissions, preemptions)
-        # plus the Python after the forward (sampling, stop checks, forks and frees).
-        post = (t4 - t3) if sched.scheduled else (t4 - t1)
-        publish(self, sched, j.outputs, t4 - t0, forward_time, (t1 - t0) + post)
-        return j.outputs
 
     def _process(self, sched: SchedulerOutput, logprobs: torch.Tensor, now: float):
         rows: dict[str, list[int]] = {}  # a chunk short of the prompt's end samples nothing
@@ -327,10 +319,6 @@ class LLMEngine:
         journal = self._journal or StepJournal([])
         for rid, idx in rows.items():
             req = self.requests[rid]
-            if len(idx) == 1 and self.fast_decodes and is_greedy_decode(req):
-                if (out := decode_greedy(self, req, best[idx[0]], now, journal)) is not None:
-                    outputs.append(out)
-                continue
             journal.begin(req)  # snapshot: if anything below raises, recovery rolls it back
             if req.is_beam_search:
                 beam_step(

@@ -116,31 +116,11 @@ class StepJournal:
     sched: SchedulerOutput = field(default_factory=SchedulerOutput)
     processed: set[str] = field(default_factory=set)  # ids of requests sampled to the end
     finished: list[RequestOutput] = field(default_factory=list)  # final outputs while sampling
-    # the request being sampled, and its snapshot (or begin_one's numbers: see snapshot())
-    current: tuple[Request, Snapshot | tuple] | None = None
+    current: tuple[Request, Snapshot] | None = None  # the request being sampled, its snapshot
 
     def begin(self, req: Request) -> None:
         """``req`` is sampled next: its :class:`Snapshot`, in case a fault needs it."""
         self.current = (req, Snapshot.of(req))
-
-    def begin_one(self, req: Request) -> None:
-        """:meth:`begin` for a request with one live sequence, no finished one and no generator
-        (fast_decode.py, for every request at every step): the few numbers its snapshot needs
-        are kept as they are, and made a :class:`Snapshot` only if a fault needs it."""
-        (seq,), m = req.seqs, req.metrics
-        numbers = (seq, len(seq.token_ids), seq.cumulative_logprob, seq.finish_reason)
-        self.current = (req, (*numbers, req.next_seq_index, len(m.token_times), m.first_token_time))
-
-    def snapshot(self) -> Snapshot:
-        """The snapshot of the request being sampled (``current``)."""
-        snap = self.current[1]
-        if isinstance(snap, tuple):  # begin_one's numbers
-            seq, n, logprob, reason, next_seq_index, num_token_times, first_token_time = snap
-            snap = Snapshot(
-                [seq], [(seq, n, logprob, reason)], [], next_seq_index, None,
-                num_token_times, first_token_time,
-            )  # fmt: skip
-        return snap
 
     def done(self, req: Request, output: RequestOutput | None) -> None:
         """``req`` is sampled; ``output``: what the step hands out for it (None: nothing)."""
@@ -205,7 +185,7 @@ def _roll_back(engine, journal: StepJournal, exc: BaseException) -> Recovery:
             continue
         hi = req.next_seq_index  # before restoring: forks made this step count too
         if req is current:
-            journal.snapshot().restore(req)
+            journal.current[1].restore(req)
         if req in journal.sched.failed:  # the scheduler found it can never fit
             _free(engine, req, hi)
             failed.append(fail(engine, req))

@@ -25,10 +25,17 @@ Every step it decides which requests run, with the paper's policy (section 4.5, 
 is prefilled a chunk at a time over several steps, next to the other requests' decodes, instead
 of waiting for a step of its own (or being refused when it is longer than the whole budget).
 Decodes come first: every running sequence that is past its prompt gets its one token, and
-prompts in progress share what is left. A decode *is* a chunk of one (how a chunk's tokens get
-their slots: :mod:`pagedlearn.engine.scheduler_output`), and a sequence samples only when its
-chunk reaches its last token. The first chunk starts after the prompt's cached prefix, which
-costs no budget.
+prompts in progress share what is left. A sequence samples only when its chunk reaches its last
+token. The first chunk starts after the prompt's cached prefix, which costs no budget.
+
+**One planner, no prefill or decode phase** (as vLLM v1): each running request gets a number of
+new tokens -- one for a decode, a chunk for a prompt in progress -- and
+:meth:`SchedulerOutput.add_next_tokens` plans them all the same way (a decode *is* a chunk of
+one). In the common step the free blocks cover every request's next tokens
+(:meth:`Scheduler._room_for_all`), and nobody is asked for its blocks one by one. Admitting a
+waiting request (:meth:`SchedulerOutput.add_prefill`) is a separate step because it does what
+a running request never does: it creates the sequences, all or none, and looks their prompt up
+in the prefix cache (:mod:`pagedlearn.engine.scheduler_output`).
 
 A request that can never fit -- it needs more blocks than the whole pool, even alone -- is failed
 with an error for that request alone; the others go on.
@@ -62,11 +69,6 @@ PREEMPTION_MODES = ("recompute", "swap")
 
 class Scheduler:
     """Holds the ``waiting``, ``running`` and ``swapped`` queues (each in arrival order)."""
-
-    # A step in which every running request decodes and the pool has room for all is planned
-    # by SchedulerOutput.add_decodes, not request by request in _schedule_running's loop
-    # (False: the loop plans it; tests/test_engine_fast_paths.py compares the two).
-    fast_decodes = True
 
     def __init__(
         self,
@@ -130,30 +132,22 @@ class Scheduler:
             for r in self.running:
                 for seq_id in r.seq_ids:
                     kv.remove_skipped_blocks(seq_id, kv.num_tokens(seq_id))
-        if self.fast_decodes and (starts := self._decode_starts()) is not None:
-            out.add_decodes(kv, self.running, starts)  # the common step: what the loop would plan
-            return
         pending = {r.request_id: self._pending(r) for r in self.running}
         prefilling = {rid: n for rid, n in pending.items() if n}
         decode_seqs = sum(len(r.seqs) for r in self.running if r.request_id not in prefilling)
         prefill_budget = self.max_num_batched_tokens - decode_seqs  # decodes come first
-        # Each decoding sequence takes at most one block per KV-cache group (a new one, or a
-        # copy-on-write copy): with that many free blocks and no prompt in progress, nobody
-        # can run short. (blocks_needed(1): one block in every group.)
-        fast = not prefilling and decode_seqs * kv.blocks_needed(1) <= kv.num_free_blocks
-        if prefilling and self.fast_decodes:
-            fast = self._room_for_all(decode_seqs, prefilling.values())
+        room = self._room_for_all(decode_seqs, prefilling.values())
         queue, kept = list(self.running), []
         while queue:
             req = queue.pop(0)  # the oldest not yet handled
-            chunk = 1
+            chunk = 1  # a decode: a chunk of one
             if req.request_id in prefilling:
                 chunk = min(prefilling[req.request_id], prefill_budget)
                 if chunk == 0:  # no budget left this step: it waits, keeping its blocks
                     kept.append(req)
                     continue
             ids = req.seq_ids * chunk
-            while not fast and kv.blocks_to_append(ids) > kv.num_free_blocks:
+            while not room and kv.blocks_to_append(ids) > kv.num_free_blocks:
                 victim = self._choose_victim(queue, req)
                 if victim in queue:
                     queue.remove(victim)  # it will not be handled this step
@@ -167,26 +161,13 @@ class Scheduler:
                 kept.append(req)
         self.running = kept
 
-    def _decode_starts(self) -> list[int] | None:
-        """If this step is the ``fast`` case of :meth:`_schedule_running`'s loop -- no running
-        request has prompt tokens left to prefill (:meth:`_pending`), and the pool has a free
-        block for every sequence in every KV-cache group, so that each decodes one token and
-        nobody is preempted --, every running sequence's token count in the manager, in order
-        (where its new token goes); else None."""
-        kv, starts = self.kv, []
-        for r in self.running:
-            for seq in r.seqs:
-                starts.append(kv.num_tokens(seq.seq_id))
-            if len(r.seqs) == 1 and len(r.seqs[0].token_ids) - starts[-1] > 1:  # _pending(r)
-                return None
-        return starts if len(starts) * kv.blocks_needed(1) <= kv.num_free_blocks else None
-
     def _room_for_all(self, decode_seqs: int, pending: Iterable[int]) -> bool:
-        """``fast`` with prompts in progress too (the step after a prompt was cut into chunks):
-        a chunk of ``n`` of a prompt's pending tokens takes at most ``blocks_needed(n)`` new
-        blocks, plus a copy if its partly filled last block is shared, and a decode one block,
-        per KV-cache group; when the free blocks cover all of that, nobody can run short and
-        the loop need not ask ``blocks_to_append`` request by request."""
+        """Whether the free blocks cover every running request's next tokens, so that nobody
+        can run short and :meth:`_schedule_running` need not ask ``blocks_to_append`` request
+        by request (the common step). Per KV-cache group, a decode takes at most one block (a
+        new one, or a copy-on-write copy: ``blocks_needed(1)``), and a chunk of ``n`` of a
+        prompt's ``pending`` tokens at most ``blocks_needed(n)``, plus a copy if its partly
+        filled last block is shared."""
         kv, one = self.kv, self.kv.blocks_needed(1)
         need = decode_seqs * one + sum(kv.blocks_needed(n) + one for n in pending)
         return need <= kv.num_free_blocks

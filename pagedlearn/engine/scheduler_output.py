@@ -21,6 +21,10 @@ A request's tokens enter the plan in one of two ways, taking their blocks and sl
   one ``append_token`` per token -- a decode, or the next chunk of its prompt (a decode *is* a
   chunk of one). So a sequence's next tokens are always ``token_ids[kv.num_tokens(seq):]``.
 
+These are not two planners of the same thing: the first creates sequences (all or none, with a
+prefix-cache lookup, and a re-admitted request's samples sharing their prefix again), the second
+is the one way a sequence that exists gets its next tokens.
+
 The forward then writes each new token's K/V into the slot the plan gives it; the copy-on-write
 copies the appends caused wait in the manager, which the engine asks for them.
 """
@@ -191,40 +195,16 @@ class SchedulerOutput:
         for seq in req.seqs:
             start = kv.num_tokens(seq.seq_id)
             new = seq.token_ids[start : start + chunk]
-            for t in new:
-                kv.append_token(seq.seq_id, t)
+            slots = [kv.append_token(seq.seq_id, t) for t in new]  # (group 0's slots)
+            tables = kv.block_tables(seq.seq_id)
+            # One KV-cache group (the common case): the slots append_token returned are all
+            # there is; with several, the manager gives each group's.
+            slots = [slots] if len(tables) == 1 else kv.slots(seq.seq_id, start)
             planned = ScheduledSequence(
-                req, seq, start, new, kv.slots(seq.seq_id, start), kv.block_tables(seq.seq_id),
+                req, seq, start, new, slots, tables,
                 is_prefill=start < seq.num_prompt_tokens or chunk > 1,
                 samples=start + chunk == len(seq.token_ids),
             )  # fmt: skip
             self.scheduled.append(planned)
-        if req.kv_dropped:  # a later chunk of a re-admitted prompt (the hot path skips this)
+        if req.kv_dropped:  # a later chunk of a re-admitted prompt
             self._count_recomputed(req)
-
-    def add_decodes(
-        self, kv: KVCacheManager, reqs: list[Request], starts: list[int] | None = None
-    ) -> None:
-        """The hot path of a step where every running request decodes: the same plan as
-        ``for req in reqs: self.add_next_tokens(kv, req)`` (tests/test_engine_fast_paths.py
-        checks it), with the per-token work cut down: with one KV-cache group (``block_tables``
-        has one table), the new token's slot is the one ``append_token`` returned, instead of
-        asking ``kv.slots`` for it again; and ``starts``, if given, are the sequences'
-        ``kv.num_tokens``, in order (the scheduler has just read them)."""
-        touched, scheduled = self.touched, self.scheduled
-        append, tables_of = kv.append_token, kv.block_tables
-        next_start = iter(starts).__next__ if starts is not None else None
-        for req in reqs:
-            touched.append(req)
-            for seq in req.seqs:
-                sid, tokens = seq.seq_id, seq.token_ids
-                start = next_start() if next_start else kv.num_tokens(sid)
-                new = tokens[start : start + 1]
-                slot = append(sid, new[0]) if new else None
-                tables = tables_of(sid)
-                slots = [[slot]] if new and len(tables) == 1 else kv.slots(sid, start)
-                prefill, samples = start < seq.num_prompt_tokens, start + 1 == len(tokens)
-                planned = ScheduledSequence(req, seq, start, new, slots, tables, prefill, samples)
-                scheduled.append(planned)
-            if req.kv_dropped:
-                self._count_recomputed(req)
