@@ -66,7 +66,7 @@ import torch
 from serve_traffic import memory, print_memory
 
 from pagedlearn import LLM, SamplingParams
-from pagedlearn.engine.metrics import percentiles
+from pagedlearn.engine.distribution import percentiles
 from pagedlearn.loadtest.http import run_http_loadtest, salt_of
 from pagedlearn.loadtest.mix import PHASES, build_mix, default_pool
 from pagedlearn.loadtest.report import _json_safe

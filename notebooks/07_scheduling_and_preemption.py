@@ -247,12 +247,12 @@ for mode in ("recompute", "swap"):
 #    waiting queue at its arrival position, so FCFS alone brings it back first.
 #
 # We read all four off one run: the workload in the pool of `SMALL` blocks with swap, recorded.
-# `queue_changes` (in `pagedlearn.engine.stats`) turns the recording's step events back into the
+# `queue_changes` (in `pagedlearn.engine.queue_changes`) turns the recording's step events back into the
 # scheduler's decisions: for each step, who was admitted, swapped in, preempted or finished, and
 # the queues after it. The steps where something moved:
 
 # %%
-from pagedlearn.engine.stats import queue_changes
+from pagedlearn.engine.queue_changes import queue_changes
 from pagedlearn.viz import replay_states
 
 engine = LLM(loaded, block_size=BLOCK_SIZE, num_blocks=SMALL, preemption_mode="swap",

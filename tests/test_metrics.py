@@ -13,7 +13,8 @@ from engine_cases import PROMPTS, greedy, make_llm
 
 from pagedlearn import SamplingParams
 from pagedlearn.engine import metrics as metrics_module
-from pagedlearn.engine.metrics import Distribution, EngineMetrics, one_two_five, percentiles
+from pagedlearn.engine.distribution import Distribution, one_two_five, percentiles
+from pagedlearn.engine.metrics import EngineMetrics
 from pagedlearn.engine.request import Request, RequestMetrics, Sequence
 from pagedlearn.errors import PagedLearnError
 from pagedlearn.trace.events import EventLog

@@ -32,7 +32,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pagedlearn import KVCacheManager
-from pagedlearn.engine.stats import queue_changes
+from pagedlearn.engine.queue_changes import queue_changes
 from pagedlearn.errors import TraceFileError
 from pagedlearn.trace.events import Event, EventLog, PoolReplay
 from pagedlearn.trace.file import SHAPES

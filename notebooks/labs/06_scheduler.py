@@ -193,7 +193,7 @@ check("preempt")
 # %% tags=["demo"]
 from pagedlearn import SamplingParams
 from pagedlearn.engine.scheduler import Scheduler as PackageScheduler
-from pagedlearn.engine.stats import queue_changes
+from pagedlearn.engine.queue_changes import queue_changes
 from pagedlearn.labs.scheduler import your_engine
 
 # request -> (prompt tokens, max_tokens, n)

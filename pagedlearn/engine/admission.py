@@ -51,6 +51,7 @@ from collections.abc import Hashable, Sequence
 
 import torch
 
+from pagedlearn.engine.chunked_prefill import prompt_blocks_to_start
 from pagedlearn.engine.request import Request, RequestMetrics
 from pagedlearn.engine.sampling_params import BeamSearchParams, SamplingParams
 from pagedlearn.errors import PagedLearnError
@@ -195,7 +196,7 @@ def _why_never(engine, n: int, params: SamplingParams | BeamSearchParams) -> str
     q, bs, pool = engine.scheduler, engine.kv.block_size, engine.kv.allocator.num_blocks
     if n > engine.max_model_len:
         return f"its prompt has {n} tokens, more than the model's {engine.max_model_len} positions"
-    if (blocks := q.blocks_to_start(n)) > pool:
+    if (blocks := prompt_blocks_to_start(q, n)) > pool:
         return (
             f"its prompt needs {blocks} blocks of {bs} tokens, more than the whole pool of {pool}"
         )

@@ -8,7 +8,8 @@
     print(outs[0].outputs[0].text)
 
 Everything runs through :class:`~pagedlearn.engine.llm_engine.LLMEngine` (``llm.engine``), whose
-step-level API the notebooks use to watch the blocks move.
+step-level API the notebooks use to watch the blocks move. The constructor's checks and the
+building of the engine are in :mod:`pagedlearn.engine.engine_args` (vLLM's ``EngineArgs``).
 
 How big is the cache? Either ``num_blocks`` blocks of ``block_size`` tokens, or as many as fit in
 ``kv_cache_memory`` bytes (the paper's view: memory is the budget, blocks are the unit). Neither
@@ -36,23 +37,13 @@ Orca (Max) does, instead of taking blocks as its tokens arrive (see
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Sequence
 
-import torch
-
-from pagedlearn.attention.kv_cache import KVCache
-from pagedlearn.core.kv_cache_manager import KVCacheManager
-from pagedlearn.engine.llm_engine import LLMEngine, RequestRejectedError
+from pagedlearn.engine.engine_args import EngineArgs
+from pagedlearn.engine.llm_engine import RequestRejectedError
 from pagedlearn.engine.request import RequestOutput
 from pagedlearn.engine.sampling_params import BeamSearchParams, SamplingParams
-from pagedlearn.engine.scheduler import KV_RESERVATIONS, PREEMPTION_MODES
-from pagedlearn.errors import KernelUnavailableError, PagedLearnError
-from pagedlearn.hybrid.kv_cache_coordinator import KVCacheCoordinator
-from pagedlearn.models.runner import ModelRunner, kv_cache_spec, max_model_len
-
-CPU_DEFAULT_BYTES = 256 * 2**20
-GPU_DEFAULT_FRACTION = 0.4
+from pagedlearn.errors import PagedLearnError
 
 
 class LLM:
@@ -126,127 +117,31 @@ class LLM:
         model_version=None,
         tensor_parallel_size: int = 1,
     ) -> None:
-        from pagedlearn.models import LoadedModel, load
-
-        _check_choice("preemption_mode", preemption_mode, PREEMPTION_MODES)
-        _check_choice("kv_reservation", kv_reservation, KV_RESERVATIONS)
-        _check_choice(
-            "attention_backend", attention_backend, ("auto", "triton", "torch", "reference")
-        )
-        _check_positive("block_size", block_size)
-        _check_positive("max_num_seqs", max_num_seqs)
-        _check_positive("tensor_parallel_size", tensor_parallel_size)
-        tp = tensor_parallel_size
-        if kv_cache_manager is not None and not callable(kv_cache_manager):
-            raise PagedLearnError(
-                "kv_cache_manager must be a KVCacheManager class (or a callable taking its "
-                f"arguments), got {kv_cache_manager!r}"
-            )
-        if num_blocks is not None and kv_cache_memory is not None:
-            raise PagedLearnError("give num_blocks or kv_cache_memory, not both")
-        dev = torch.device(
-            ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
-        )
-        backend = _pick_backend(attention_backend, dev)
-
-        loaded = model if isinstance(model, LoadedModel) else load(model, tokenizer, dtype)
-        # With tensor parallelism the driver keeps the whole model on the CPU: each worker puts
-        # its own share on its device (pagedlearn/parallel/).
-        hf_model = loaded.model.to(dev) if tp == 1 else loaded.model
-        spec = kv_cache_spec(hf_model)
-        max_len = max_model_len(hf_model)
-        if tp > 1:
-            from pagedlearn.parallel import check_tensor_parallel
-
-            check_tensor_parallel(hf_model, tp)  # before a process starts
-        # The memory budget is per device, and each of the tp workers holds 1/tp of every
-        # block: the same budget holds tp times the blocks.
-        worker_spec = spec.split_heads(tp)
-        if num_blocks is None:
-            if kv_cache_memory is None:
-                kv_cache_memory = _default_budget(dev)
-                # Enough for max_num_seqs sequences of the model's full length, in every group.
-                cap = len(spec.groups) * -(-max_num_seqs * max_len // block_size)
-                num_blocks = min(worker_spec.num_blocks_for(kv_cache_memory, block_size), cap)
-            else:
-                num_blocks = worker_spec.num_blocks_for(kv_cache_memory, block_size)
-        _check_positive("num_blocks", num_blocks, hint=f"{spec.formula()}; the budget holds none")
-        if swap_blocks is None:
-            swap_blocks = num_blocks if preemption_mode == "swap" else 0
-        if preemption_mode == "swap" and swap_blocks == 0:
-            raise PagedLearnError(
-                "preemption_mode='swap' needs a CPU swap pool, but swap_blocks=0: give it some "
-                "blocks (or leave it None: as many as the GPU pool), or use 'recompute'"
-            )
-        if max_num_batched_tokens is None:
-            max_num_batched_tokens = max(2048, max_len)
-        if max_num_batched_tokens < max_num_seqs:
-            raise PagedLearnError(
-                f"max_num_batched_tokens ({max_num_batched_tokens}) must be at least max_num_seqs "
-                f"({max_num_seqs}): every running sequence decodes one token per step"
-            )
-
-        if spec.is_hybrid:  # sliding-window layers: one manager per KV-cache group
-            if kv_cache_manager is not None:
-                raise PagedLearnError(
-                    f"kv_cache_manager= runs full-attention models only; {loaded.name} has "
-                    "sliding-window layers, whose KV-cache groups pagedlearn's own "
-                    "KVCacheCoordinator manages"
-                )
-            kv = KVCacheCoordinator(
-                spec.groups,
-                num_blocks,
-                block_size,
-                enable_prefix_caching,
-                model_id=loaded.name,
-                num_cpu_blocks=swap_blocks,
-            )
-        else:
-            kv = (kv_cache_manager or KVCacheManager)(
-                num_blocks,
-                block_size,
-                enable_prefix_caching,
-                model_id=loaded.name,
-                num_cpu_blocks=swap_blocks,
-            )
-        if tp == 1:
-            cache = KVCache(spec, num_blocks, block_size, dev, swap_blocks)
-            runner = ModelRunner(hf_model, cache, backend)
-        else:  # tp worker processes, each with 1/tp of the model and of every block
-            from pagedlearn.parallel import start_workers
-
-            cache, runner = start_workers(
-                hf_model, tp, spec, num_blocks, block_size, swap_blocks, backend, dev
-            )
-        self.engine = LLMEngine(
-            hf_model,
-            loaded.tokenizer,
-            kv,
-            cache,
-            runner,
-            max_len,
-            max_num_seqs,
-            max_num_batched_tokens,
-            preemption_mode,
-            enable_chunked_prefill,
-            kv_reservation,
-        )
-        if model_version is not None:
-            self.engine.model_version = model_version  # the manager's model_id: (name, version)
-        self.model_name, self.device, self.attention_backend = loaded.name, dev, backend
-        self.tensor_parallel_size = tp
-        self.offline_stand_in = loaded.offline_stand_in
+        args = EngineArgs(
+            model,
+            tokenizer=tokenizer,
+            block_size=block_size,
+            num_blocks=num_blocks,
+            kv_cache_memory=kv_cache_memory,
+            enable_prefix_caching=enable_prefix_caching,
+            preemption_mode=preemption_mode,
+            swap_blocks=swap_blocks,
+            attention_backend=attention_backend,
+            device=device,
+            dtype=dtype,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            enable_chunked_prefill=enable_chunked_prefill,
+            kv_reservation=kv_reservation,
+            kv_cache_manager=kv_cache_manager,
+            verbose=verbose,
+            model_version=model_version,
+            tensor_parallel_size=tensor_parallel_size,
+        )  # checks every argument that needs no model: a bad one fails before anything loads
+        self.engine, loaded, self.device, self.attention_backend = args.create_engine()
+        self.model_name, self.offline_stand_in = loaded.name, loaded.offline_stand_in
+        self.tensor_parallel_size = tensor_parallel_size
         self._num_generated = 0  # request ids of generate(): "gen-0", "gen-1", ...
-        if verbose:
-            print(
-                f"pagedlearn: {loaded.name} on {dev} ({spec.dtype}), attention: {backend}\n"
-                f"  KV cache: {spec.formula()}\n"
-                f"  {num_blocks} blocks x {block_size} tokens = {cache.num_tokens:,} tokens "
-                f"({cache.nbytes / 2**20:.1f} MiB)"
-                + (f"; swap pool {swap_blocks} blocks" if swap_blocks else "")
-                + ("; max-length reservation" if kv_reservation == "max" else "")
-                + (_tp_line(cache, runner) if tp > 1 else "")
-            )
 
     @property
     def tokenizer(self):
@@ -355,15 +250,6 @@ class LLM:
         return self.engine.reset_prefix_cache()
 
 
-def _tp_line(cache, executor) -> str:
-    each = cache.worker_nbytes / 2**20
-    return (
-        f"\n  tensor parallel: {executor.size} workers (pids {executor.pids}), each holding "
-        f"{cache.worker_spec.num_kv_heads} of {cache.spec.num_kv_heads} KV heads of every block "
-        f"({each:.1f} MiB each)"
-    )
-
-
 def _as_prompt_list(prompts) -> list:
     if isinstance(prompts, (str, dict)):  # one prompt: text, or vLLM's TextPrompt/TokensPrompt
         return [prompts]
@@ -383,36 +269,3 @@ def _rejected(rid: str, prompt, error: str) -> RequestOutput:
     metrics = RequestMetrics(0.0)
     out = CompletionOutput(0, [], 0.0, "error")
     return RequestOutput(rid, text, ids, [out], True, metrics, 0, error)
-
-
-def _pick_backend(choice: str, dev: torch.device) -> str:
-    if choice == "auto":
-        from kernels import triton_available
-
-        return "triton" if dev.type == "cuda" and triton_available() else "torch"
-    if choice == "triton" and dev.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise KernelUnavailableError(
-            "attention_backend='triton' on a CPU needs Triton's interpreter: set "
-            "TRITON_INTERPRET=1 before triton is imported (e.g. `TRITON_INTERPRET=1 python ...`), "
-            "or use attention_backend='torch'"
-        )
-    return choice
-
-
-def _default_budget(dev: torch.device) -> int:
-    if dev.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(dev)
-        return int(free * GPU_DEFAULT_FRACTION)
-    return CPU_DEFAULT_BYTES
-
-
-def _check_choice(name: str, value, choices) -> None:
-    if value not in choices:
-        raise PagedLearnError(f"{name} must be one of {choices}, got {value!r}")
-
-
-def _check_positive(name: str, value, hint: str = "") -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise PagedLearnError(
-            f"{name} must be a positive int, got {value!r}" + (f" ({hint})" if hint else "")
-        )

@@ -25,19 +25,14 @@ goes out -- each request's output, a finished or failed request, and each step's
 frame in the trace -- is built in outputs.py. This file is the step in between.
 
 What may share cached KV: a prompt hits a cached block only if everything that went into the
-block's hash agrees -- its tokens and those before them, and the extra keys: the model (with
-its version), the LoRA adapter and the cache salt::
+block's hash agrees -- its tokens and those before them, the model (with its version), the
+LoRA adapter and the cache salt (``add_request``'s ``cache_salt`` and ``lora_request``,
+:attr:`LLMEngine.model_version`, :meth:`LLMEngine.reset_prefix_cache`).
 
-    engine.add_request("a", {"prompt": "Hello", "cache_salt": "tenant-a"})  # vLLM's shapes
-    engine.add_request("b", "Hello", cache_salt="tenant-b")    # shares no block with "a"
-    engine.add_request("c", "Hello", lora_request="my-adapter")  # nor with either of them
-    engine.model_version = "v2"     # new weights: no later prompt hits a block cached before
-    engine.reset_prefix_cache()     # or forget every cached block (refused while any runs)
-
-Stop strings (``SamplingParams(stop=...)``) are checked here too, after every sampled token
-(:meth:`LLMEngine._stop_reason`), by decoding only the tail of the samples that ask for them.
-So are per-token logprobs (``SamplingParams(logprobs=k)``), read off the same rows as the sampled
-tokens in ``_sample``.
+After the forward, ``_process`` hands each request's rows to
+:func:`~pagedlearn.engine.sampler.sample_step` (or beam search's ``beam_step``), which draws the
+tokens and their logprobs; stop strings (``SamplingParams(stop=...)``) are checked here, after
+every token (:meth:`LLMEngine._stop_reason`), by decoding only the tail of the samples that ask.
 """
 
 from __future__ import annotations
@@ -56,7 +51,7 @@ from pagedlearn.engine.metrics import EngineMetrics
 from pagedlearn.engine.outputs import detokenize, fail, finish, frame, mark, publish, request_output
 from pagedlearn.engine.recovery import Recovery, StepJournal, held_interrupts, recover
 from pagedlearn.engine.request import Request, RequestOutput, RequestStatus
-from pagedlearn.engine.sampler import Sampler
+from pagedlearn.engine.sampler import Sampler, sample_step
 from pagedlearn.engine.sampling_params import BeamSearchParams, SamplingParams
 from pagedlearn.engine.scheduler import Scheduler, SchedulerOutput
 from pagedlearn.engine.stats import StepStats
@@ -330,7 +325,7 @@ class LLMEngine:
                     self.max_model_len,
                 )
             else:
-                self._sample(req, logprobs, idx, best)
+                sample_step(self, req, logprobs, idx, best)
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now
             req.metrics.token_times.append(now)
@@ -346,37 +341,6 @@ class LLMEngine:
             if out is not None:
                 outputs.append(out)
         return outputs
-
-    def _sample(self, req: Request, logprobs: torch.Tensor, rows: list[int], best) -> None:
-        p = req.params
-        fork = p.n > 1 and req.next_seq_index == 1  # the first prefill: one row, n samples
-        live = []
-        for seq, row in zip(list(req.seqs), rows, strict=True):
-            if p.greedy:
-                draws = [best[row]] * (p.n if fork else 1)
-            else:
-                draws = self.sampler.sample(logprobs[row], p, p.n if fork else 1, req.generator)
-            children = [seq] + [
-                req.new_sequence(list(seq.token_ids), logprobs=seq.logprobs) for _ in draws[1:]
-            ]
-            tops = [None] * len(draws)  # per draw: its logprobs entry, if the request asked
-            if seq.logprobs is not None:
-                tops = self.sampler.token_logprobs(logprobs[row], [t for t, _ in draws], p.logprobs)
-            for child, (tok, lp), top in zip(children, draws, tops, strict=True):
-                child.token_ids.append(tok)
-                if top is not None:
-                    child.logprobs.append(top)
-                child.cumulative_logprob += lp
-                child.finish_reason = self._stop_reason(p, child, tok)
-                if child is not seq and not child.finished:
-                    self.kv.fork(seq.seq_id, child.seq_id)  # share the prompt's blocks
-                if child.finished:
-                    req.done.append(child)
-                else:
-                    live.append(child)
-            if seq.finished:
-                self.kv.free_sequence(seq.seq_id)
-        req.seqs = live
 
     def _stop_reason(self, p: SamplingParams, seq, tok: int) -> str | None:
         """Why ``seq`` ends now that it sampled ``tok``, or None. As vLLM: EOS and stop token

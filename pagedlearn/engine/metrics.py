@@ -15,7 +15,8 @@ lately. Every engine has one :class:`EngineMetrics` (``engine.metrics``), always
 
 Rules worth knowing:
 
-- **Bounded memory**: a server runs for days. Each quantity is a :class:`Distribution`: a
+- **Bounded memory**: a server runs for days. Each quantity is a
+  :class:`~pagedlearn.engine.distribution.Distribution`: a
   histogram with fixed buckets over the whole life (what Prometheus scrapes; vLLM's bounds) plus
   the last ``window`` values, exact, for the percentiles printed here (a ``deque``). Nothing
   grows with the number of requests.
@@ -37,10 +38,9 @@ Rules worth knowing:
 from __future__ import annotations
 
 import time
-from bisect import bisect_left
 from collections import deque
-from collections.abc import Iterable, Sequence
 
+from pagedlearn.engine.distribution import Distribution, one_two_five
 from pagedlearn.errors import PagedLearnError
 
 RECENT_REQUESTS = 1_000  # per-request distributions keep this many values for percentiles
@@ -58,69 +58,6 @@ ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8
 RESIDENCY_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 30,
                      60, 120, 300, 600, 1200, 1800)  # fmt: skip
 SEQS_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)  # no vLLM counterpart
-
-
-def percentiles(values: Iterable[float], qs: Sequence[float] = (50, 90, 99)) -> dict[float, float]:
-    """``{q: the q-th percentile of values}`` (linear interpolation between the closest ranks,
-    as numpy's default); NaN for each q when there are no values."""
-    xs = sorted(values)
-    out = {}
-    for q in qs:
-        if not xs:
-            out[q] = float("nan")
-            continue
-        pos = (len(xs) - 1) * q / 100
-        lo = int(pos)
-        hi = min(lo + 1, len(xs) - 1)
-        out[q] = xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-    return out
-
-
-def one_two_five(max_value: int) -> tuple[int, ...]:
-    """vLLM's token-count buckets: 1, 2, 5, 10, 20, 50, ... up to ``max_value``.
-
-    >>> one_two_five(100)
-    (1, 2, 5, 10, 20, 50, 100)
-    """
-    out, scale = [], 1
-    while True:
-        for m in (1, 2, 5):
-            if m * scale > max_value:
-                return tuple(out)
-            out.append(m * scale)
-        scale *= 10
-
-
-class Distribution:
-    """One measured quantity: a histogram over the engine's life (``bounds``: bucket upper
-    bounds, a value counts in the first bucket whose bound is >= it, as Prometheus' ``le``) and
-    the last ``window`` values, for exact recent percentiles. Memory: fixed."""
-
-    __slots__ = ("bounds", "count", "counts", "recent", "sum")
-
-    def __init__(self, bounds: Sequence[float], window: int) -> None:
-        self.bounds = tuple(float(b) for b in bounds)
-        self.counts = [0] * (len(self.bounds) + 1)  # the last: above every bound (+Inf)
-        self.count, self.sum = 0, 0.0
-        self.recent: deque[float] = deque(maxlen=window)
-
-    def observe(self, x: float) -> None:
-        self.counts[bisect_left(self.bounds, x)] += 1
-        self.count += 1
-        self.sum += x
-        self.recent.append(x)
-
-    def percentiles(self, qs: Sequence[float] = (50, 90, 99)) -> dict[float, float]:
-        """Over the recent window (NaN while empty)."""
-        return percentiles(self.recent, qs)
-
-    def cumulative(self) -> list[tuple[str, int]]:
-        """``[(le, observations <= le), ..., ("+Inf", count)]``: Prometheus' bucket samples."""
-        out, total = [], 0
-        for bound, n in zip((*map(repr, self.bounds), "+Inf"), self.counts, strict=True):
-            total += n
-            out.append((bound, total))
-        return out
 
 
 class EngineMetrics:

@@ -5,6 +5,10 @@ The reported log-probability of a token is taken from the model's *raw* distribu
 compare across sampling settings (and equal beam search's scores for the same tokens). The
 per-token logprobs a request may ask for (``SamplingParams.logprobs``) come from the same rows:
 :meth:`Sampler.token_logprobs`.
+
+:func:`sample_step` puts the drawn tokens into a request's sequences: it forks the ``n`` samples
+of a request at its first token, checks each sequence for a stop and frees the finished ones --
+the sampling counterpart of :func:`~pagedlearn.engine.beam_search.beam_step`.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pagedlearn.engine.request import Logprob
+from pagedlearn.engine.request import Logprob, Request
 from pagedlearn.engine.sampling_params import SamplingParams
 
 
@@ -24,17 +28,12 @@ class Sampler:
         there); float32 ``(S, vocab)``."""
         return torch.log_softmax(logits.float(), dim=-1).cpu()
 
-    def greedy_ref(self, logprobs: torch.Tensor) -> list[tuple[int, float]]:
+    def greedy(self, logprobs: torch.Tensor) -> list[tuple[int, float]]:
         """Every row's greedy pick ``(token, logprob)`` at once (``logprobs``: ``(S, vocab)`` from
         :meth:`logprobs`): one reduction for the step instead of one per sequence. Ties go to the
-        lowest id, as ``torch.argmax`` (and :meth:`sample`)."""
-        best_lp, best_tok = logprobs.max(dim=-1)  # (S,), (S,)
-        return list(zip(best_tok.tolist(), best_lp.tolist(), strict=True))
-
-    def greedy(self, logprobs: torch.Tensor) -> list[tuple[int, float]]:
-        """:meth:`greedy_ref` through numpy, which the engine calls every step: on a matrix this
-        small, a torch call's fixed cost is most of the work, and numpy's is smaller (the same
-        picks and values: numpy's argmax also takes the first maximum; tests check it)."""
+        lowest id, as ``torch.argmax`` (and :meth:`sample`). Through numpy, because the engine
+        calls this every step and on a matrix this small a torch call's fixed cost is most of
+        the work; numpy's argmax also takes the first maximum (tests check it against torch)."""
         rows = logprobs.numpy()  # (S, vocab) float32, sharing the tensor's memory
         best = rows.argmax(axis=-1)  # (S,)
         return list(zip(best.tolist(), rows[np.arange(len(rows)), best].tolist(), strict=True))
@@ -89,3 +88,43 @@ class Sampler:
                 entry.setdefault(t, Logprob(v, rank))
             out.append(entry)
         return out
+
+
+def sample_step(engine, req: Request, logprobs: torch.Tensor, rows: list[int], best) -> None:
+    """One step of a sampling request (beam search has :func:`~pagedlearn.engine.beam_search.
+    beam_step`): each live sequence of ``req`` draws its next token from its row of
+    ``logprobs`` (``(S, vocab)``; ``rows``: the request's rows, one per sequence; ``best``:
+    every row's greedy pick, computed once for the step). At the first prefill of a request
+    with ``n > 1`` the one row draws ``n`` tokens: the sequence forks into ``n`` samples that
+    share the prompt's blocks (``kv.fork``). Each new token is checked for a stop
+    (``engine._stop_reason``); a finished sequence moves to ``req.done`` and frees its blocks.
+    Called from ``LLMEngine._process``, which snapshots ``req`` first (recovery.py)."""
+    p = req.params
+    fork = p.n > 1 and req.next_seq_index == 1  # the first prefill: one row, n samples
+    live = []
+    for seq, row in zip(list(req.seqs), rows, strict=True):
+        if p.greedy:
+            draws = [best[row]] * (p.n if fork else 1)
+        else:
+            draws = engine.sampler.sample(logprobs[row], p, p.n if fork else 1, req.generator)
+        children = [seq] + [
+            req.new_sequence(list(seq.token_ids), logprobs=seq.logprobs) for _ in draws[1:]
+        ]
+        tops = [None] * len(draws)  # per draw: its logprobs entry, if the request asked
+        if seq.logprobs is not None:
+            tops = engine.sampler.token_logprobs(logprobs[row], [t for t, _ in draws], p.logprobs)
+        for child, (tok, lp), top in zip(children, draws, tops, strict=True):
+            child.token_ids.append(tok)
+            if top is not None:
+                child.logprobs.append(top)
+            child.cumulative_logprob += lp
+            child.finish_reason = engine._stop_reason(p, child, tok)
+            if child is not seq and not child.finished:
+                engine.kv.fork(seq.seq_id, child.seq_id)  # share the prompt's blocks
+            if child.finished:
+                req.done.append(child)
+            else:
+                live.append(child)
+        if seq.finished:
+            engine.kv.free_sequence(seq.seq_id)
+    req.seqs = live

@@ -29,20 +29,17 @@ prompts in progress share what is left. A sequence samples only when its chunk r
 token. The first chunk starts after the prompt's cached prefix, which costs no budget.
 
 **One planner, no prefill or decode phase** (as vLLM v1): each running request gets a number of
-new tokens -- one for a decode, a chunk for a prompt in progress -- and
-:meth:`SchedulerOutput.add_next_tokens` plans them all the same way (a decode *is* a chunk of
-one). In the common step the free blocks cover every request's next tokens
-(:meth:`Scheduler._room_for_all`), and nobody is asked for its blocks one by one. Admitting a
-waiting request (:meth:`SchedulerOutput.add_prefill`) is a separate step because it does what
-a running request never does: it creates the sequences, all or none, and looks their prompt up
-in the prefix cache (:mod:`pagedlearn.engine.scheduler_output`).
+new tokens -- one for a decode, a chunk for a prompt in progress -- planned the same way by
+:meth:`SchedulerOutput.add_next_tokens`. In the common step the free blocks cover everyone's
+next tokens (:meth:`Scheduler._room_for_all`) and nobody is asked for blocks one by one.
+Admitting a waiting request (:meth:`SchedulerOutput.add_prefill`) is separate: it creates the
+sequences, all or none, and looks their prompt up in the prefix cache (scheduler_output.py).
 
 A request that can never fit -- it needs more blocks than the whole pool, even alone -- is failed
 with an error for that request alone; the others go on.
 
-The policy's three decisions are small methods, so that they read on their own (and lab 6,
-``scheduler``, has students write them): ``_can_admit`` (the block budget and its watermark),
-``_choose_victim`` (whom to preempt) and ``_preempt_by_recompute``.
+The policy's three decisions are small methods that read on their own (lab 6, ``scheduler``,
+has students write them): ``_can_admit``, ``_choose_victim`` and ``_preempt_by_recompute``.
 
 **Max-length reservation** (``kv_reservation="max"``): the same scheduler as the Orca (Max)
 baseline of the paper's section 2.3, admitting a waiting request only when its whole reservation
@@ -56,7 +53,12 @@ import bisect
 from collections.abc import Iterable
 
 from pagedlearn.core.kv_cache_manager import KVCacheManager
-from pagedlearn.engine.readmission import readmission_blocks
+from pagedlearn.engine.chunked_prefill import (
+    blocks_to_start,
+    first_chunk,
+    fits_budgets,
+    pending_prompt_tokens,
+)
 from pagedlearn.engine.request import Request, RequestStatus
 from pagedlearn.engine.reservation import KV_RESERVATIONS as KV_RESERVATIONS  # (re-exported)
 from pagedlearn.engine.reservation import KVReservation
@@ -132,7 +134,7 @@ class Scheduler:
             for r in self.running:
                 for seq_id in r.seq_ids:
                     kv.remove_skipped_blocks(seq_id, kv.num_tokens(seq_id))
-        pending = {r.request_id: self._pending(r) for r in self.running}
+        pending = {r.request_id: pending_prompt_tokens(self.kv, r) for r in self.running}
         prefilling = {rid: n for rid, n in pending.items() if n}
         decode_seqs = sum(len(r.seqs) for r in self.running if r.request_id not in prefilling)
         prefill_budget = self.max_num_batched_tokens - decode_seqs  # decodes come first
@@ -177,7 +179,7 @@ class Scheduler:
         while self.swapped:
             req = self.swapped[0]
             ids = req.seq_ids
-            fits = self._fits_budgets(req, len(ids), out)
+            fits = fits_budgets(self, req, len(ids), out)
             if not fits or not self.reservation.fits(req, self.running):
                 return
             alone = not self.running
@@ -202,15 +204,15 @@ class Scheduler:
         kv = self.kv
         while self.waiting:
             req = self.waiting[0]
-            total = self._blocks_to_start(req)
+            total = blocks_to_start(self, req)
             if total > kv.allocator.num_blocks:  # it grew while running, then was preempted
                 n, pool = sum(len(s.token_ids) for s in req.seqs), kv.allocator.num_blocks
                 why = f"needs {total} blocks for its {n} tokens, more than the whole pool of {pool}"
                 self._fail(req, out, why)
                 continue
-            if not self._fits_budgets(req, req.params.n, out):
+            if not fits_budgets(self, req, req.params.n, out):
                 return
-            chunk = self._first_chunk(req, out)  # all of the prompt without chunking
+            chunk = first_chunk(self, req, out)  # all of the prompt without chunking
             blocks = kv.blocks_needed(chunk) if len(req.seqs) == 1 else total  # no cache hits
             if self.kv_reservation == "max":  # its whole reservation, not just the prompt
                 if not self.reservation.fits(req, self.running):
@@ -271,55 +273,6 @@ class Scheduler:
         return self.reservation.unreserved_blocks(self.running)
 
     # --- helpers ---------------------------------------------------------------------------------
-    def _fits_budgets(self, req: Request, num_seqs: int, out: SchedulerOutput) -> bool:
-        seqs_now = sum(len(r.seqs) for r in self.running)
-        if seqs_now + num_seqs > self.max_num_seqs:
-            return False
-        left = self.max_num_batched_tokens - out.num_batched_tokens
-        if req.status is not RequestStatus.WAITING:  # swapped: one token per sequence
-            return len(req.seqs) <= left
-        if self.chunked_prefill and len(req.seqs) == 1:  # a first chunk of any size will do
-            return left >= 1
-        # A prompt longer than the budget still runs when it is alone in the step.
-        return not out.scheduled or sum(len(s.token_ids) for s in req.seqs) <= left
-
-    def _first_chunk(self, req: Request, out: SchedulerOutput) -> int:
-        """How many of a waiting request's first tokens to admit this step: all of them, or
-        with chunking, its cached prefix (free) plus what the step's token budget has left."""
-        tokens = req.seqs[0].token_ids
-        if not self.chunked_prefill or len(req.seqs) > 1:
-            return len(tokens)
-        left = self.max_num_batched_tokens - out.num_batched_tokens
-        if len(tokens) <= left:  # all of it fits: no need to hash it for the cache lookup
-            return len(tokens)
-        cached = self.kv.cached_prefix_tokens(tokens, req.cache_salt, req.adapter_id)
-        return min(len(tokens), cached + left)
-
-    def blocks_to_start(self, num_tokens: int) -> int:
-        """The fewest blocks one sequence of ``num_tokens`` tokens needs to make progress: all
-        its blocks, or with chunked prefill its first chunk's -- and, where a sliding window
-        bounds what the sequence holds, no fewer than that (``min_blocks_to_run``). Admission
-        refuses a prompt by this number too."""
-        kv = self.kv
-        if not self.chunked_prefill:
-            return kv.blocks_needed(num_tokens)
-        first_chunk = kv.blocks_needed(min(num_tokens, self.max_num_batched_tokens))
-        return max(kv.min_blocks_to_run(num_tokens), first_chunk)
-
-    def _blocks_to_start(self, req: Request) -> int:
-        """:meth:`blocks_to_start` for a waiting request; several sequences (re-admitted after
-        a recompute) are prefilled whole, sharing their common prefixes (readmission.py)."""
-        if len(req.seqs) > 1:
-            return readmission_blocks(self.kv, req.seqs)
-        return self.blocks_to_start(len(req.seqs[0].token_ids))
-
-    def _pending(self, req: Request) -> int:
-        """Prompt tokens a running request has yet to prefill in chunks (0: it is decoding)."""
-        if len(req.seqs) != 1:  # forked samples and beams are past their prompt
-            return 0
-        pending = len(req.seqs[0].token_ids) - self.kv.num_tokens(req.seqs[0].seq_id)
-        return pending if pending > 1 else 0
-
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         out.touched.append(req)
         if self.preemption_mode == "swap":

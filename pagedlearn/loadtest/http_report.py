@@ -27,7 +27,7 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field
 
-from pagedlearn.engine.metrics import percentiles
+from pagedlearn.engine.distribution import percentiles
 from pagedlearn.loadtest.report import MIX_KINDS, QS, CheckedReport
 from pagedlearn.loadtest.server_metrics import delta
 from pagedlearn.loadtest.verdicts import CORRECTNESS, COVERAGE, Check, percent

@@ -41,7 +41,7 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field
 
-from pagedlearn.engine.metrics import percentiles
+from pagedlearn.engine.distribution import percentiles
 from pagedlearn.loadtest.verdicts import CORRECTNESS, Check, percent, verdicts
 
 QS = (50, 90, 99)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Iterable, Sequence
 
-from pagedlearn.engine.metrics import percentiles
+from pagedlearn.engine.distribution import percentiles
 
 EDGES = (0, 1, 4, 16, 64)  # ranges of the fewest free blocks: 0, 1-3, 4-15, 16-63, 64 and more
 

@@ -181,7 +181,7 @@ def _check_step_info(info: dict) -> None:
     check_token_lists(info)
     if info.get("step") is not None:
         check_int(info["step"], "info.step")
-    elif "requests" in info:  # engine.stats.queue_changes reads the step of every such frame
+    elif "requests" in info:  # engine.queue_changes reads the step of every such frame
         raise Problem("info.step is missing: a frame that lists requests needs its step number")
     for i, r in enumerate(check_list(info.get("requests", []), "info.requests")):
         what = f"info.requests[{i}]"
