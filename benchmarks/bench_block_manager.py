@@ -17,8 +17,9 @@ repetitions of pagedlearn's time / x's time in the same repetition.
 c1-c3 run at 1k, 10k and 100k blocks: c2 and c3 are O(1), and the last section shows them flat
 beside the same take-out from a ``collections.deque`` (``remove`` scans: O(n), like nano-vllm's).
 
-Columns: ``pagedlearn`` (KVCacheManager on block_pool.BlockPool, prefix_cache_fast.FastPrefixCache),
-``pagedlearn plain`` (on the readable BlockAllocator and PrefixCache: what the fast paths buy),
+Columns: ``pagedlearn`` (KVCacheManager on its BlockAllocator and PrefixCache: the one
+implementation, the classes the labs blank; there is no "plain" column any more, since the fast
+twins were folded into them),
 and the optional peers, vLLM and nano-vllm (how to get them, how each is driven:
 block_manager_peers.py). Every system must end in the same state (blocks used, cached blocks,
 prefix-hit tokens...): printed, MISMATCH flagged.
@@ -45,18 +46,9 @@ from block_manager_peers import BS, PeerMissing, Prepared, load_nanovllm, load_v
 
 import pagedlearn
 from pagedlearn import BlockAllocator, KVCacheManager
-from pagedlearn.core.block_pool import BlockPool
-from pagedlearn.core.prefix_cache import PrefixCache
 
-COLUMNS = {"pagedlearn": 11, "pagedlearn plain": 17, "vLLM": 9, "nano-vllm": 10}  # name: width
-RATIOS = {"PL/plain": "pagedlearn plain", "PL/vLLM": "vLLM", "PL/nano": "nano-vllm"}
-
-
-class PlainKVCacheManager(KVCacheManager):
-    """The manager on the parts a learner reads: the column that shows what the fast paths buy."""
-
-    allocator_class = BlockAllocator
-    prefix_cache_class = PrefixCache
+COLUMNS = {"pagedlearn": 11, "vLLM": 9, "nano-vllm": 10}  # name: width
+RATIOS = {"PL/vLLM": "vLLM", "PL/nano": "nano-vllm"}
 
 
 class PagedLearnDriver:
@@ -345,8 +337,7 @@ def main() -> None:
         commit = ""
     version = f"pagedlearn {pagedlearn.__version__} @ {commit or 'no git'}"
     drivers = {
-        "pagedlearn": PagedLearnDriver(KVCacheManager, BlockPool, version),
-        "pagedlearn plain": PagedLearnDriver(PlainKVCacheManager, BlockAllocator, version),
+        "pagedlearn": PagedLearnDriver(KVCacheManager, BlockAllocator, version),
     }
     peers = []
     for name, load in (("vLLM", load_vllm), ("nano-vllm", lambda: load_nanovllm(args.nanovllm))):

@@ -209,7 +209,7 @@ kv.check_invariants()
 
 # %% [markdown]
 # The manager is built on a block pool that knows only ids and refcounts: `BlockAllocator`'s rules
-# (the engine runs `BlockPool`, the same rules with a faster common path). You can use it
+# (the very class the engine runs, and the one lab 1 asks you to write). You can use it
 # alone: `allocate` is all-or-nothing, and freeing a block more times than it is referenced is an
 # error, not a silent corruption.
 

@@ -1,18 +1,20 @@
-"""The block manager's fast paths against the plain versions they stand in for.
+"""The rules the core's fast paths must keep (each class has one implementation; its common case
+is fast, and the unusual cases take the precise checks):
 
-Each fast class or function keeps the plain one's behaviour exactly; these tests drive both with
-the same (random) inputs and compare everything a caller can see:
-
-- :class:`~pagedlearn.core.block_pool.BlockPool` vs :class:`~pagedlearn.BlockAllocator` (results,
-  errors word for word, refcounts, the free queue in order, cached blocks, counters, on_evict);
-- :class:`~pagedlearn.core.prefix_cache_fast.FastPrefixCache` vs :class:`~pagedlearn.PrefixCache`
-  (the same 32-byte hashes, the same hits);
-- ``check_tokens`` vs ``check_tokens_plain`` (the same token values, the same error messages).
+- :class:`~pagedlearn.BlockAllocator`: what counts as a block id (an int subclass is its value; a
+  bool, a float or a numpy int is refused, naming it), the order blocks are handed out in through
+  evictions, and a double free named for the same block however the ids are listed;
+- :class:`~pagedlearn.core.prefix_cache.PrefixCache`: a forged hash collision is a miss, and the
+  extra keys' remembered ``repr`` (``ExtraKeys``) hashes like the plain tuple, ``1 == True``
+  included;
+- ``check_tokens``: its conversions and the messages that name a bad position.
 """
 
 from __future__ import annotations
 
 import enum
+import operator
+import re
 
 import hypothesis.strategies as st
 import numpy as np
@@ -20,7 +22,6 @@ import pytest
 from hypothesis import given, settings
 
 from pagedlearn import BlockAllocator, PagedLearnError
-from pagedlearn.core.block_pool import BlockPool
 from pagedlearn.core.prefix_cache import (
     ROOT_HASH,
     PrefixCache,
@@ -28,8 +29,7 @@ from pagedlearn.core.prefix_cache import (
     hash_blocks,
     make_extra_keys,
 )
-from pagedlearn.core.prefix_cache_fast import FastPrefixCache
-from pagedlearn.core.sequence_tables import check_tokens, check_tokens_plain
+from pagedlearn.core.sequence_tables import check_token, check_tokens
 
 
 # --- the block pool ------------------------------------------------------------------------------
@@ -45,124 +45,114 @@ def _state(pool) -> tuple:
     )
 
 
-def _call(pool, op: str, arg):
-    try:
-        return ("ok", getattr(pool, op)(arg))
-    except PagedLearnError as e:  # OutOfBlocksError included
-        return (type(e).__name__, str(e))
-
-
-# Ids: mostly blocks in use (so that calls succeed and go deep), sometimes any id a little past
-# the pool, a bool or a float (so that every error path is compared too).
-class Id(enum.IntEnum):  # an int subclass: both pools must treat it as its value
+class Id(enum.IntEnum):  # an int subclass: the pool treats it as its value
     TWO = 2
 
 
-BAD_ID = st.one_of(st.integers(-1, 9), st.sampled_from([True, 2.0, Id.TWO, np.int64(1)]))
+@pytest.mark.parametrize("op", ["refcount", "is_cached", "mark_cached", "incref", "free"])
+@pytest.mark.parametrize("bad", [True, 2.0, np.int64(1), -1, 4, "1"])
+def test_a_bad_block_id_is_named_and_changes_nothing(op, bad):
+    pool = BlockAllocator(4)
+    pool.allocate(3)
+    pool.mark_cached(1)
+    before = _state(pool)
+    arg = [0, bad] if op in ("incref", "free") else bad
+    with pytest.raises(PagedLearnError, match=re.escape(f"block id {bad!r} is not a valid id")):
+        getattr(pool, op)(arg)
+    assert _state(pool) == before
 
 
-def _draw_call(data, plain):
-    used = [b for b in range(plain.num_blocks) if plain.refcount(b)]
-    cached = [b for b in range(plain.num_blocks) if plain.is_cached(b)]
-    good = st.sampled_from(used + cached) if used + cached else BAD_ID
-    an_id = st.one_of(good, good, good, BAD_ID)
-    op = data.draw(st.sampled_from(["allocate", "free", "incref", "mark_cached", "refcount"]))
-    if op == "allocate":
-        n = st.sampled_from([True, Id.TWO, np.int64(2), 2.0])
-        return op, data.draw(st.one_of(st.integers(0, 3), st.integers(-1, 9), n))
-    if op in ("free", "incref"):
-        return op, data.draw(st.lists(an_id, max_size=4))
-    return op, data.draw(an_id)
+def test_an_int_subclass_is_a_block_id_and_a_count():
+    pool = BlockAllocator(4)
+    assert pool.allocate(Id.TWO) == [0, 1]
+    assert pool.allocate(1) == [Id.TWO]
+    pool.mark_cached(Id.TWO)
+    pool.free(b for b in [Id.TWO, 0])  # any iterable, a generator too
+    assert pool.refcount(2) == 0 and pool.is_cached(Id.TWO) and pool.free_queue() == [3, 0, 2]
+    for n in (True, 2.0, np.int64(2), -1):
+        with pytest.raises(PagedLearnError, match="allocate\\(n\\) needs an int n >= 0"):
+            pool.allocate(n)
 
 
-@settings(max_examples=300, deadline=None)
-@given(st.data())
-def test_block_pool_behaves_exactly_like_the_plain_allocator(data):
-    evicted: dict[str, list[int]] = {"plain": [], "fast": []}
-    plain = BlockAllocator(8, on_evict=evicted["plain"].append)
-    fast = BlockPool(8, on_evict=evicted["fast"].append)
-    for _ in range(data.draw(st.integers(0, 60))):
-        op, arg = _draw_call(data, plain)
-        assert _call(fast, op, arg) == _call(plain, op, arg), (op, arg)
-        assert _state(fast) == _state(plain), (op, arg)
-    assert evicted["fast"] == evicted["plain"]
+def test_a_double_free_names_the_first_block_counted_over_its_refcount():
+    """Ids listed in any order: the error names the first block (in the order the ids are
+    first listed) freed more times than it is referenced, and nothing changes."""
+    pool = BlockAllocator(4)
+    pool.allocate(2)
+    pool.incref([1])  # block 1: refcount 2; block 0: 1; blocks 2, 3: free
+    before = _state(pool)
+    for ids, bad in (
+        ([1, 1, 0, 0], "block 0 freed 2x but has refcount 1"),
+        ([0, 2], "block 2 freed 1x but has refcount 0"),
+        ([1, 1, 1], "block 1 freed 3x but has refcount 2"),
+    ):
+        with pytest.raises(PagedLearnError, match=f"double free: {bad}"):
+            pool.free(ids)
+        assert _state(pool) == before
+    pool.free([1, 1, 0])  # a block listed as often as it is referenced is fine
+    assert pool.num_free_blocks == 4 and pool.free_queue() == [2, 3, 1, 0]
 
 
-def test_block_pool_hands_out_in_the_plain_order_through_evictions():
-    plain, fast = BlockAllocator(6), BlockPool(6)
-    for pool in (plain, fast):
-        ids = pool.allocate(6)
-        for b in ids[:4]:
-            pool.mark_cached(b)
-        pool.free(ids[::-1])  # cached ones to the LRU queue, empty ones to theirs
-        assert pool.allocate(5) is not None
-    assert _state(fast) == _state(plain)
-    assert fast.num_evictions == 3
+def test_blocks_are_handed_out_empty_first_then_least_recently_used_cached():
+    pool, evicted = BlockAllocator(6), []
+    pool.on_evict = evicted.append
+    ids = pool.allocate(6)
+    for b in ids[:4]:
+        pool.mark_cached(b)
+    pool.free(ids[::-1])  # cached ones to the LRU queue, empty ones to theirs
+    assert pool.free_queue() == [5, 4, 3, 2, 1, 0]
+    assert pool.allocate(5) == [5, 4, 3, 2, 1]
+    assert evicted == [3, 2, 1] and pool.num_evictions == 3
+    assert _state(pool)[2] == [0]
+
+
+def test_incref_names_a_free_empty_block_only_after_every_id_is_valid():
+    pool = BlockAllocator(4)
+    pool.allocate(1)
+    with pytest.raises(PagedLearnError, match="block id 9 is not a valid id"):
+        pool.incref([2, 9])  # 2 is free and empty, but the bad id is named first
+    with pytest.raises(PagedLearnError, match="incref of block 2: it is free and holds no"):
+        pool.incref([0, 2])
+    assert pool.refcount(0) == 1
 
 
 # --- the prefix cache ----------------------------------------------------------------------------
-TOKENS = st.lists(st.integers(0, 2**63 - 1), min_size=1, max_size=40)
-KEYS = st.sampled_from(
-    [make_extra_keys(), make_extra_keys("m", "a", "s"), make_extra_keys(("gpt2", 1), 7, None)]
-)
-
-
-@settings(max_examples=200, deadline=None)
-@given(TOKENS, st.integers(1, 6), KEYS)
-def test_fast_prefix_cache_hashes_like_the_reference(tokens, block_size, extra):
-    fast = FastPrefixCache()
-    hashes, hits = fast.match(tokens, block_size, extra)
-    assert hashes == hash_blocks(tokens, block_size, extra) and hits == []
-    if hashes:
-        tail = tokens[:block_size]
-        assert fast.hash_block(b"\0" * 32, tail, extra) == hash_block(b"\0" * 32, tail, extra)
-
-
-@settings(max_examples=200, deadline=None)
-@given(st.lists(st.integers(0, 3), min_size=1, max_size=30), st.integers(1, 4), st.data())
-def test_fast_prefix_cache_finds_the_same_hits(prompt, block_size, data):
-    plain, fast = PrefixCache(), FastPrefixCache()
-    extra = make_extra_keys("m")
-    # Index some blocks of some prompts (a few tokens each, so that prefixes collide often).
-    for _ in range(data.draw(st.integers(0, 4))):
-        other = data.draw(st.lists(st.integers(0, 3), min_size=1, max_size=30))
-        for cache in (plain, fast):
-            hashes = hash_blocks(other, block_size, extra)
-            for j, h in enumerate(hashes):
-                parent = hashes[j - 1] if j else ROOT_HASH
-                block_tokens = other[j * block_size : (j + 1) * block_size]
-                cache.insert(h, 100 * len(cache) + j, parent, block_tokens, extra)
-    assert fast.match(prompt, block_size, extra) == plain.match(prompt, block_size, extra)
-    other_keys = make_extra_keys("m", cache_salt="tenant-2")  # never hits another tenant's
-    assert fast.match(prompt, block_size, other_keys) == plain.match(prompt, block_size, other_keys)
-    assert [e.block_id for _, e in fast.items()] == [e.block_id for _, e in plain.items()]
-
-
-@pytest.mark.parametrize("cache_class", [PrefixCache, FastPrefixCache])
 @pytest.mark.parametrize("forged", ["parent", "tokens", "extra"])
-def test_a_hash_collision_is_a_miss(cache_class, forged):
+def test_a_hash_collision_is_a_miss(forged):
     """An entry stored under the very hash a prompt's block has, but holding other content (a
     forged SHA-256 collision): a hit must verify the parent, the tokens and the extra keys."""
-    cache, extra, prompt = cache_class(), make_extra_keys("m"), [1, 2, 3, 4, 5]
+    cache, extra, prompt = PrefixCache(), make_extra_keys("m"), [1, 2, 3, 4, 5]
     hashes = hash_blocks(prompt, 2, extra)
     stored = {"parent": (b"x" * 32, (1, 2), extra), "tokens": (ROOT_HASH, (1, 9), extra)}
     stored["extra"] = (ROOT_HASH, (1, 2), make_extra_keys("other model"))
     cache.insert(hashes[0], 7, *stored[forged])
     assert cache.match(prompt, 2, extra) == (hashes, [])
-    honest = cache_class()
+    honest = PrefixCache()
     honest.insert(hashes[0], 7, ROOT_HASH, (1, 2), extra)
     assert honest.match(prompt, 2, extra) == (hashes, [7])
 
 
-def test_fast_prefix_cache_tells_equal_but_different_keys_apart():
-    """``1 == True``, but their reprs (what is hashed) differ: the remembered bytes are per
-    tuple object, never per equal tuple."""
-    fast = FastPrefixCache()
+@settings(max_examples=100, deadline=None)
+@given(
+    st.lists(st.integers(0, 2**63 - 1), min_size=1, max_size=20),
+    st.sampled_from([(None, None, None), ("m", "a", "s"), (("gpt2", 1), 7, None), (1, True, 0)]),
+)
+def test_extra_keys_hash_like_the_plain_tuple(tokens, keys):
+    """``make_extra_keys`` remembers its ``repr`` (what ``hash_block`` serialises): the hashes
+    are those of the plain tuple."""
+    extra = make_extra_keys(*keys)
+    plain = tuple(extra)
+    assert type(plain) is tuple and extra == plain and repr(extra) == repr(plain)
+    assert hash_block(ROOT_HASH, tokens, extra) == hash_block(ROOT_HASH, tokens, plain)
+    assert hash_blocks(tokens, 3, extra) == hash_blocks(tokens, 3, plain)
+
+
+def test_equal_but_different_extra_keys_hash_apart():
+    """``1 == True``, but their reprs (what is hashed) differ: each ExtraKeys remembers its own."""
     one, true = make_extra_keys(1), make_extra_keys(True)
-    assert one == true
-    assert fast.match([5, 6, 7], 2, one)[0] == hash_blocks([5, 6, 7], 2, one)
-    assert fast.match([5, 6, 7], 2, true)[0] == hash_blocks([5, 6, 7], 2, true)
+    assert one == true and repr(one) != repr(true)
     assert hash_blocks([5, 6, 7], 2, one) != hash_blocks([5, 6, 7], 2, true)
+    assert hash_blocks([5, 6, 7], 2, true) == hash_blocks([5, 6, 7], 2, tuple(true))
 
 
 # --- token checks --------------------------------------------------------------------------------
@@ -171,6 +161,20 @@ def _checked(fn, tokens):
         return ("ok", fn(tokens))
     except PagedLearnError as e:
         return ("error", str(e))
+
+
+def _rule(tokens) -> tuple:
+    """What check_tokens must say, one token at a time: the first that is not an int >= 0."""
+    for i, t in enumerate(tokens):
+        try:
+            v = operator.index(t)
+        except TypeError:
+            return ("error", f"token ids must be ints: position {i} is {t!r}")
+        if v < 0:
+            return ("error", f"token ids must be >= 0: position {i} is {t!r}")
+    if not tokens:
+        return ("error", "a sequence needs at least one token")
+    return ("ok", [operator.index(t) for t in tokens])
 
 
 @settings(max_examples=300, deadline=None)
@@ -183,31 +187,42 @@ def _checked(fn, tokens):
         max_size=12,
     )
 )
-def test_check_tokens_agrees_with_the_plain_check(tokens):
-    fast = _checked(check_tokens, tokens)
-    assert fast == _checked(check_tokens_plain, tokens)
+def test_check_tokens_names_the_first_bad_position(tokens):
+    got = _checked(check_tokens, tokens)
+    assert got == _rule(tokens)
     # Plain ints come back, unless the list's first and last ids were plain ints already (then
     # it is copied as it is: the documented rule).
-    if fast[0] == "ok" and not (type(tokens[0]) is type(tokens[-1]) is int):
-        assert all(type(t) is int for t in fast[1]), fast
+    if got[0] == "ok" and not (type(tokens[0]) is type(tokens[-1]) is int):
+        assert all(type(t) is int for t in got[1]), got
+    if len(tokens) == 1:
+        assert _checked(check_token, tokens[0]) == (got[0], got[1][0] if got[0] == "ok" else got[1])
 
 
 def test_check_tokens_converts_lists_of_numpy_ints_and_bools():
-    np = pytest.importorskip("numpy")
-    for given_ in ([np.int64(1), np.int64(2), 4], [True, False, 3], [np.int32(5)]):
+    for given_, want in (
+        ([np.int64(1), np.int64(2), 4], [1, 2, 4]),
+        ([True, False, 3], [1, 0, 3]),
+        ([np.int32(5)], [5]),
+    ):
         tokens = check_tokens(given_)
-        assert tokens == check_tokens_plain(given_)
-        assert all(type(t) is int for t in tokens), tokens
+        assert tokens == want and all(type(t) is int for t in tokens), tokens
 
 
 @pytest.mark.parametrize(
-    "tokens", [range(5), (3, 4), iter([1, -1]), iter([]), "abc", b"ab", 7, [[1]]]
+    "tokens, want",
+    [
+        (range(5), ("ok", [0, 1, 2, 3, 4])),
+        ((3, 4), ("ok", [3, 4])),
+        (iter([1, -1]), ("error", "token ids must be >= 0: position 1 is -1")),
+        (iter([]), ("error", "a sequence needs at least one token")),
+        ("abc", ("error", "token ids must be ints, got a string: tokenize it first")),
+        (b"ab", ("error", "token ids must be ints, got a string: tokenize it first")),
+        (7, ("error", "token ids must be ints, got 7")),
+        ([[1]], ("error", "token ids must be ints: position 0 is [1]")),
+    ],
 )
-def test_check_tokens_agrees_on_other_iterables(tokens):
-    import itertools
-
-    a, b = itertools.tee(tokens) if hasattr(tokens, "__next__") else (tokens, tokens)
-    assert _checked(check_tokens, a) == _checked(check_tokens_plain, b)
+def test_check_tokens_on_other_iterables(tokens, want):
+    assert _checked(check_tokens, tokens) == want
 
 
 def test_check_tokens_turns_tensors_and_arrays_into_plain_ints():

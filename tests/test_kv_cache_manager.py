@@ -298,10 +298,10 @@ def test_check_invariants_names_what_broke():
     with pytest.raises(PagedLearnError, match=f"block {b} has refcount 2 but 1 table references"):
         kv.check_invariants()
     kv.allocator._refcounts[b] -= 1
-    kv._tables["a"].token_ids[0] = 99  # the cached block no longer holds what its hash says
+    kv._seqs.gpu["a"].token_ids[0] = 99  # the cached block no longer holds what its hash says
     with pytest.raises(PagedLearnError, match=f"cached block {b} is used by 'a'"):
         kv.check_invariants()
-    kv._tables["a"].token_ids[0] = 0
+    kv._seqs.gpu["a"].token_ids[0] = 0
     kv.allocator._free_empty.append(b)  # a used block also sits in the free queue
     with pytest.raises(PagedLearnError, match=r"used \(3\) \+ free \(14\) != num_blocks \(16\)"):
         kv.check_invariants()

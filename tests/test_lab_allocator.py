@@ -26,76 +26,82 @@ MISTAKES = [
     ),
     pytest.param(
         POOL,
-        "            if self._free_empty:\n                block_id, _ = self",
-        "            if not self._free_cached:\n                block_id, _ = self",
+        "        if n <= len(empty):  # the common case",
+        "        if n <= len(empty) and not self._free_cached:  # the common case",
         "taken first",
         id="takes_cached_before_empty",
     ),
     pytest.param(
         POOL,
-        "        if n > self.num_free_blocks:\n"
+        "        elif n > self.num_free_blocks:\n"
         "            raise OutOfBlocksError(n, self.num_free_blocks, self._num_blocks)\n"
-        "        ids = []\n        for _ in range(n):\n",
-        "        ids = []\n        for _ in range(n):\n"
-        "            if not self.num_free_blocks:\n"
+        "        else:  # every empty block, then cached ones, least recently used first: evicted\n"
+        "            ids = list(empty)\n            empty.clear()\n",
+        "        else:\n            ids = list(empty)\n            empty.clear()\n"
+        "            if n > len(ids) + len(self._free_cached):\n"
         "                raise OutOfBlocksError(n, len(ids), self._num_blocks)\n",
         "all or nothing",
         id="allocate_not_all_or_nothing",
     ),
     pytest.param(
         POOL,
-        "        for b, times in Counter(ids).items():\n"
-        "            if times > self._refcounts[b]:\n"
-        "                raise PagedLearnError(\n"
-        '                    f"double free: block {b} freed {times}x but has refcount '
-        '{self._refcounts[b]}"\n'
-        "                )\n"
-        "        for b in ids:\n            self._refcounts[b] -= 1\n",
-        "        for b in ids:\n            if self._refcounts[b] == 0:  # checked as it goes\n"
+        "        if count:\n"
+        "            for b, times in Counter(ids).items():\n"
+        "                if times > refs[b]:\n"
+        "                    raise PagedLearnError(\n"
+        '                        f"double free: block {b} freed {times}x but has refcount '
+        '{refs[b]}"\n'
+        "                    )\n",
+        "        for b in ids:\n"
+        "            if refs[b] == 0:  # checked as it goes\n"
         "                raise PagedLearnError(f'double free of block {b}')\n"
-        "            self._refcounts[b] -= 1\n",
+        "            refs[b] -= 1\n",
         "an error must leave everything as it was",
         id="double_free_partly_applied",
     ),
     pytest.param(
         POOL,
-        "            if times > self._refcounts[b]:",
-        "            if times > self._refcounts[b] + 1:",
+        "                if times > refs[b]:",
+        "                if times > refs[b] + 1:",
         "should raise PagedLearnError (double free",
         id="double_free_undetected",
     ),
     pytest.param(
         POOL,
-        "queue = self._free_cached if b in self._cached else self._free_empty",
-        "queue = self._free_empty",
+        "                if b in cached:\n                    lru[b] = None",
+        "                if False:\n                    lru[b] = None",
         "the free queue (next allocation first) should be",
         id="cached_block_freed_into_empty_queue",
     ),
     pytest.param(
         POOL,
-        "            if self._refcounts[b] == 0:\n                del self._free_cached[b]",
+        "            if refs[b] == 0:\n                del self._free_cached[b]",
         "            if False:\n                del self._free_cached[b]",
         "refcount is 0",
         id="incref_leaves_cached_block_in_free_queue",
     ),
     pytest.param(
         POOL,
-        "            if self._refcounts[b] == 0 and b not in self._cached:",
-        "            if self._refcounts[b] < 0:",
+        "or (refs[b] == 0 and b not in cached):\n"
+        "                self._check_ids(ids)  # raises, naming the first bad id\n"
+        "                if refs[b] == 0 and b not in cached:",
+        "or refs[b] < 0:\n"
+        "                self._check_ids(ids)  # raises, naming the first bad id\n"
+        "                if refs[b] < 0:",
         "should raise PagedLearnError (incref of block",
         id="incref_of_free_empty_block",
     ),
     pytest.param(
         POOL,
-        "            self._num_shared += self._refcounts[b] == 2\n",
+        "            elif refs[b] == 1:\n                self._num_shared += 1\n",
         "",
         "num_shared_blocks",
         id="num_shared_not_maintained",
     ),
     pytest.param(
         POOL,
-        "            self._refcounts[block_id] = 1\n",
-        "",
+        "            self._refcounts[b] = 1\n",
+        "            pass\n",
         "refcounts of blocks",
         id="allocate_leaves_refcount_0",
     ),

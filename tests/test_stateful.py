@@ -53,7 +53,7 @@ salts = st.sampled_from([None, None, "tenant-b"])
 def full_snapshot(kv):
     """``snapshot`` (the GPU side) plus the swapped-out tables, the CPU pool and ``stats()``."""
     cpu = kv.cpu_allocator
-    swapped = {s: (list(kv._swapped[s].block_ids), kv.token_ids(s)) for s in kv.swapped_sequences()}
+    swapped = {s: (list(kv._seqs.cpu[s].block_ids), kv.token_ids(s)) for s in kv._seqs.cpu}
     cpu_pool = [cpu.refcount(b) for b in range(cpu.num_blocks)], cpu.free_queue()
     return snapshot(kv), swapped, cpu_pool, kv.stats()
 
@@ -205,7 +205,7 @@ class KVCacheMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def swap_in(self, data):
         group = data.draw(st.lists(st.sampled_from(sorted(self.out)), min_size=1, unique=True))
-        tables = {s: list(self.kv._swapped[s].block_ids) for s in group}
+        tables = {s: list(self.kv._seqs.cpu[s].block_ids) for s in group}
         need = self.kv.blocks_to_swap_in(group)
         assert need == len({c for t in tables.values() for c in t})
         ok, copies = self._attempt(lambda: self.kv.swap_in(group), "GPU out of blocks on swap in")
@@ -251,7 +251,7 @@ class KVCacheMachine(RuleBasedStateMachine):
     def free(self, data):
         seq = data.draw(st.sampled_from(sorted(self.tokens)))
         if seq in self.out:  # an abort while swapped out: only CPU blocks are returned
-            for block in self.kv._swapped[seq].block_ids:
+            for block in self.kv._seqs.cpu[seq].block_ids:
                 self.cpu_refs[block] -= 1
             self.out.remove(seq)
             SEEN[self.caching, "free swapped"] += 1
@@ -281,7 +281,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         everyone = self.kv.sequences() + self.kv.swapped_sequences()
         assert {s: self.kv.token_ids(s) for s in everyone} == self.tokens
         assert replay_matches(self.kv, self.replay)
-        swapped = {s: list(self.kv._swapped[s].block_ids) for s in self.out}
+        swapped = {s: list(self.kv._seqs.cpu[s].block_ids) for s in self.out}
         assert self.replay.swapped == swapped
         # A frame (step event) later, the pictures' state rebuilt from events equals the live one:
         # fill levels, token contents, cached blocks' old tokens included.

@@ -22,19 +22,19 @@ def make(num_blocks=16, num_cpu_blocks=16, caching=False, block_size=BS):
 
 
 def cpu_table(kv, seq_id):
-    return list(kv._swapped[seq_id].block_ids)
+    return list(kv._seqs.cpu[seq_id].block_ids)
 
 
 def full_snapshot(kv):
     cpu = kv.cpu_allocator
     swapped = {
-        s: (cpu_table(kv, s), kv.token_ids(s), list(kv._swapped[s].block_hashes))
+        s: (cpu_table(kv, s), kv.token_ids(s), list(kv._seqs.cpu[s].block_hashes))
         for s in kv.swapped_sequences()
     }
     cpu_state = (
         ([cpu.refcount(b) for b in range(cpu.num_blocks)], cpu.free_queue()) if cpu else None
     )
-    return snapshot(kv), swapped, cpu_state, kv.stats(), dict(kv._extra_keys)
+    return snapshot(kv), swapped, cpu_state, kv.stats(), dict(kv._seqs.extra_keys)
 
 
 def all_replay_matches(kv, state):

@@ -102,37 +102,43 @@ class BlockAllocator(BlockAllocator):  # the class so far, with these methods yo
 
         Raises :class:`OutOfBlocksError`, changing nothing, when fewer than ``n`` are free.
         """
-        if not _is_int(n) or n < 0:
+        if (type(n) is not int and not _is_int(n)) or n < 0:  # plain ints: one test
             raise PagedLearnError(f"allocate(n) needs an int n >= 0, got {n!r}")
-        if n > self.num_free_blocks:
+        empty = self._free_empty
+        if n <= len(empty):  # the common case: empty blocks suffice, nothing is evicted
+            ids = [empty.popleft()] if n == 1 else [empty.popleft() for _ in range(n)]
+        elif n > self.num_free_blocks:
             raise OutOfBlocksError(n, self.num_free_blocks, self._num_blocks)
-        ids = []
-        for _ in range(n):
-            if self._free_empty:
-                block_id, _ = self._free_empty.popitem(last=False)
-            else:  # only cached blocks left: reuse the least recently used one
+        else:  # every empty block, then cached ones, least recently used first: evicted
+            ids = list(empty)
+            empty.clear()
+            while len(ids) < n:
                 block_id, _ = self._free_cached.popitem(last=False)
                 self._cached.discard(block_id)
                 self.num_evictions += 1
                 if self.on_evict is not None:
                     self.on_evict(block_id)
-            self._refcounts[block_id] = 1
-            ids.append(block_id)
+                ids.append(block_id)
+        for b in ids:
+            self._refcounts[b] = 1
         return ids
 
     def incref(self, ids: Iterable[int]) -> None:
         """Add one reference per id (sharing). A free *cached* block is taken back out of the free
         queue (a prefix-cache hit); a free empty block cannot be shared -- allocate it instead."""
-        ids = list(ids)
-        self._check_ids(ids)
+        ids = ids if type(ids) is list else list(ids)  # (a generator can be read only once)
+        refs, cached, n = self._refcounts, self._cached, self._num_blocks
+        for b in ids:  # check every id before changing anything (plain int ids: one test each)
+            if type(b) is not int or not 0 <= b < n or (refs[b] == 0 and b not in cached):
+                self._check_ids(ids)  # raises, naming the first bad id
+                if refs[b] == 0 and b not in cached:
+                    raise PagedLearnError(f"incref of block {b}: it is free and holds no cached KV")
         for b in ids:
-            if self._refcounts[b] == 0 and b not in self._cached:
-                raise PagedLearnError(f"incref of block {b}: it is free and holds no cached KV")
-        for b in ids:
-            if self._refcounts[b] == 0:
+            if refs[b] == 0:
                 del self._free_cached[b]  # O(1): OrderedDict unlinks the node
-            self._refcounts[b] += 1
-            self._num_shared += self._refcounts[b] == 2
+            elif refs[b] == 1:
+                self._num_shared += 1
+            refs[b] += 1
 
     def free(self, ids: Iterable[int]) -> None:
         """Drop one reference per id; a block whose count reaches 0 joins the free queue.
@@ -140,19 +146,32 @@ class BlockAllocator(BlockAllocator):  # the class so far, with these methods yo
         Cached blocks join the back of the LRU queue (most recently used), so they are evicted
         last. Freeing a block more times than it is referenced raises, changing nothing.
         """
-        ids = list(ids)
-        self._check_ids(ids)
-        for b, times in Counter(ids).items():
-            if times > self._refcounts[b]:
-                raise PagedLearnError(
-                    f"double free: block {b} freed {times}x but has refcount {self._refcounts[b]}"
-                )
+        ids = ids if type(ids) is list else list(ids)  # (a generator can be read only once)
+        refs, n = self._refcounts, self._num_blocks
+        # Check everything before changing anything. A double free frees a block more times than
+        # it is referenced: only a free block or an id listed twice can be one, and counting the
+        # ids (a Counter) costs more than the rest of free, so they are counted only then.
+        count = len(ids) > 1 and len(set(ids)) < len(ids)  # an id listed twice
         for b in ids:
-            self._refcounts[b] -= 1
-            self._num_shared -= self._refcounts[b] == 1
-            if self._refcounts[b] == 0:
-                queue = self._free_cached if b in self._cached else self._free_empty
-                queue[b] = None
+            if type(b) is not int or not 0 <= b < n or refs[b] == 0:
+                self._check_ids(ids)  # raises, naming the first bad id
+                count = True
+        if count:
+            for b, times in Counter(ids).items():
+                if times > refs[b]:
+                    raise PagedLearnError(
+                        f"double free: block {b} freed {times}x but has refcount {refs[b]}"
+                    )
+        cached, lru, empty = self._cached, self._free_cached, self._free_empty
+        for b in ids:
+            refs[b] -= 1
+            if refs[b] == 0:
+                if b in cached:
+                    lru[b] = None  # the back of the LRU queue: evicted last
+                else:
+                    empty.append(b)
+            elif refs[b] == 1:
+                self._num_shared -= 1
 
 
 check("pool")

@@ -170,7 +170,7 @@ class KVCacheManager(KVCacheManager):  # the class so far, with these methods yo
         # calls no helper: ``self._seqs.on_gpu``, ``check_token`` and ``table.slot(pos)``
         # are inlined (each still runs where the fast check fails, to name the problem).
         try:
-            table = self._tables[seq_id]  # a running sequence: the common case
+            table = self._seqs.gpu[seq_id]  # a running sequence: the common case
         except (KeyError, TypeError):
             table = self._seqs.on_gpu(seq_id)  # raises, naming what is wrong with the id
         token = token_id if type(token_id) is int and token_id >= 0 else check_token(token_id)

@@ -101,9 +101,10 @@ def hash_blocks(token_ids: Sequence[int], block_size: int, extra_keys: tuple) ->
     (2, True)
     """
     hashes: list[bytes] = []
-    for j in range(len(token_ids) // block_size):
-        tokens = token_ids[j * block_size : (j + 1) * block_size]
-        hashes.append(hash_block(parent_hash(hashes, j), tokens, extra_keys))
+    parent = ROOT_HASH  # block 0 chains on the root, block j on block j - 1
+    for start in range(0, len(token_ids) - block_size + 1, block_size):  # each full block
+        parent = hash_block(parent, token_ids[start : start + block_size], extra_keys)
+        hashes.append(parent)
     return hashes
 
 

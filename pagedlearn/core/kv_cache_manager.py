@@ -3,12 +3,11 @@
 This is what a serving engine's scheduler talks to (vLLM calls its version the block manager or
 KV cache manager). It owns
 
-- a :class:`BlockPool` (which physical blocks are free, refcounts: the rules of
-  :class:`BlockAllocator`, block_allocator.py, with a faster common path, block_pool.py),
+- a :class:`BlockAllocator` (block_allocator.py: which physical blocks are free, refcounts),
 - one :class:`BlockTable` per sequence (logical -> physical blocks, tokens, slots), kept in a
   :class:`SequenceTables` that knows which are on the GPU and which are swapped out,
 - a prefix cache when ``enable_prefix_caching`` (hash -> block for full blocks: the
-  :class:`PrefixCache` of prefix_cache.py, in its faster form from prefix_cache_fast.py),
+  :class:`PrefixCache` of prefix_cache.py),
 - a second pool over a CPU swap pool when ``num_cpu_blocks > 0``,
 - a :class:`Trace` that announces every block operation (trace/events.py; block_events.py emits
 them).
@@ -51,11 +50,10 @@ from collections.abc import Hashable, Iterable
 from typing import Any
 
 from pagedlearn.core import swap
-from pagedlearn.core.block_pool import BlockPool
+from pagedlearn.core.block_allocator import BlockAllocator
 from pagedlearn.core.block_table import NULL_BLOCK, BlockTable
 from pagedlearn.core.invariants import check_invariants
-from pagedlearn.core.prefix_cache import ROOT_HASH, make_extra_keys, parent_hash
-from pagedlearn.core.prefix_cache_fast import FastPrefixCache
+from pagedlearn.core.prefix_cache import ROOT_HASH, PrefixCache, make_extra_keys, parent_hash
 from pagedlearn.core.sequence_tables import SequenceTables, check_token, check_tokens, id_list
 from pagedlearn.errors import OutOfBlocksError, PagedLearnError
 from pagedlearn.trace.block_events import BlockEvents
@@ -83,13 +81,9 @@ class KVCacheManager:
     (``LLM(..., kv_cache_manager=...)``, see :mod:`pagedlearn.labs.plug`).
     """
 
-    # The fast twins of block_allocator.py's BlockAllocator and prefix_cache.py's PrefixCache
-    # (same rules, same hashes; tests/test_fast_paths.py checks each against its plain twin).
-    # Set these to BlockAllocator and PrefixCache to run on the plain ones, as
-    # benchmarks/bench_block_manager.py's PlainKVCacheManager does.
-    allocator_class = BlockPool
+    allocator_class = BlockAllocator
     block_table_class = BlockTable
-    prefix_cache_class = FastPrefixCache
+    prefix_cache_class = PrefixCache
     # Whether remove_skipped_blocks can free anything: a scheduler skips calling it otherwise.
     has_sliding_window = False
 
@@ -129,9 +123,6 @@ class KVCacheManager:
             self.cpu_allocator = self.allocator_class(n_cpu) if n_cpu else None
         self._seqs = SequenceTables()  # every sequence's table, on the GPU or swapped out
         self._sizer = self.block_table_class(block_size)  # an empty table: blocks_needed asks it
-        # The same dicts under the names the tests and viz/state.py read.
-        self._tables, self._swapped = self._seqs.gpu, self._seqs.cpu
-        self._extra_keys = self._seqs.extra_keys
         self._events = BlockEvents(self.trace, group)
         self._marker = StepMarker()
         # Pending copy-on-write (src, dst); one list for all the groups sharing a pool.
@@ -206,7 +197,7 @@ class KVCacheManager:
         # calls no helper: ``self._seqs.on_gpu``, ``check_token`` and ``table.slot(pos)``
         # are inlined (each still runs where the fast check fails, to name the problem).
         try:
-            table = self._tables[seq_id]  # a running sequence: the common case
+            table = self._seqs.gpu[seq_id]  # a running sequence: the common case
         except (KeyError, TypeError):
             table = self._seqs.on_gpu(seq_id)  # raises, naming what is wrong with the id
         token = token_id if type(token_id) is int and token_id >= 0 else check_token(token_id)
@@ -338,7 +329,7 @@ class KVCacheManager:
     # --- queries -------------------------------------------------------------------------------
     def block_table(self, seq_id: Hashable) -> list[int]:
         try:  # a running sequence, asked every step: one dict lookup
-            return list(self._tables[seq_id].block_ids)
+            return list(self._seqs.gpu[seq_id].block_ids)
         except (KeyError, TypeError):
             return list(self._seqs.on_gpu(seq_id).block_ids)  # raises, naming the problem
 
@@ -382,7 +373,7 @@ class KVCacheManager:
     def num_tokens(self, seq_id: Hashable) -> int:
         """How many tokens the sequence holds KV slots for (O(1); swapped sequences too)."""
         try:  # a running sequence, asked every step: one dict lookup
-            return len(self._tables[seq_id].token_ids)
+            return len(self._seqs.gpu[seq_id].token_ids)
         except (KeyError, TypeError):
             return self._seqs.table(seq_id).num_tokens  # swapped out, or raises
 

@@ -124,8 +124,14 @@ def check_tokens(token_ids: Iterable[int]) -> list[int]:
     converted (``values.tolist()``); a list whose first and last ids are plain ints -- what the
     engine and a tokenizer hand in -- is copied as it is, so one numpy int hidden in the middle
     of such a list stays one (it equals, packs and hashes like the int). Only when the fast
-    check refuses does :func:`check_tokens_plain` walk the tokens, to say which position is
-    wrong.
+    check refuses are the tokens walked one at a time, to say which position is wrong.
+
+    >>> check_tokens(range(3))
+    [0, 1, 2]
+    >>> check_tokens([5, -1])
+    Traceback (most recent call last):
+    ...
+    pagedlearn.errors.PagedLearnError: token ids must be >= 0: position 1 is -1
     """
     if isinstance(token_ids, (str, bytes)):
         raise PagedLearnError("token ids must be ints, got a string: tokenize it first")
@@ -140,21 +146,16 @@ def check_tokens(token_ids: Iterable[int]) -> list[int]:
     try:
         values = array("Q", token_ids)  # C speed: each an integer in 0 .. 2**64 - 1
     except (TypeError, OverflowError):
-        return check_tokens_plain(token_ids)  # names the first bad position
+        return _each_token(token_ids)  # names the first bad position
     if not token_ids:
         raise PagedLearnError("a sequence needs at least one token")
     return values.tolist() if convert else list(token_ids)
 
 
-def check_tokens_plain(token_ids: Iterable[int]) -> list[int]:
-    """:func:`check_tokens` one token at a time: the readable version, and the one that names
-    the first bad position (tests check the two agree)."""
-    if isinstance(token_ids, (str, bytes)):
-        raise PagedLearnError("token ids must be ints, got a string: tokenize it first")
-    try:
-        tokens = list(token_ids)
-    except TypeError:
-        raise PagedLearnError(f"token ids must be ints, got {token_ids!r}") from None
+def _each_token(token_ids: list) -> list[int]:
+    """The tokens one at a time, as ints: raises naming the first one that is not an int >= 0
+    (only an int of 2**64 or more passes here, where ``array("Q")`` refused it)."""
+    tokens = list(token_ids)
     for i, t in enumerate(tokens):
         try:
             tokens[i] = operator.index(t)
@@ -162,8 +163,6 @@ def check_tokens_plain(token_ids: Iterable[int]) -> list[int]:
             raise PagedLearnError(f"token ids must be ints: position {i} is {t!r}") from None
         if tokens[i] < 0:
             raise PagedLearnError(f"token ids must be >= 0: position {i} is {t!r}")
-    if not tokens:
-        raise PagedLearnError("a sequence needs at least one token")
     return tokens
 
 
@@ -171,4 +170,4 @@ def check_token(token_id: int) -> int:
     """One token id, as :func:`check_tokens` checks it (the fast path of ``append_token``)."""
     if type(token_id) is int and token_id >= 0:
         return token_id
-    return check_tokens_plain([token_id])[0]
+    return check_tokens([token_id])[0]

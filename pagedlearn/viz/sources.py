@@ -127,7 +127,7 @@ def pool_state(
         seqs = kv.sequences()
         tables = {s: kv.block_table(s) for s in seqs}
         tokens = {s: kv.token_ids(s) for s in seqs + kv.swapped_sequences()}
-        swapped = {s: kv._swapped[s].block_ids for s in kv.swapped_sequences()}
+        swapped = {s: kv._seqs.cpu[s].block_ids for s in kv.swapped_sequences()}
     return build_state(
         kv.allocator.num_blocks,
         kv.block_size,
