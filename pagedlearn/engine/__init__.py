@@ -5,6 +5,7 @@ sequences, outputs), ``scheduler_output`` (a step's plan), ``scheduler`` (who ru
 preemption), ``chunked_prefill`` (how much of a request fits the step's budget),
 ``reservation`` (the max-length reservation baseline), ``sampler`` and ``beam_search`` (next
 tokens), ``admission`` (checking a request in), ``llm_engine`` (one step end to end),
+``cache_keys`` (the model's version in the block hashes; resetting the prefix cache),
 ``outputs`` (what a step hands out), ``recovery`` (rolling back a step that raised), ``llm``
 (the front door) and ``engine_args`` (how it builds the engine). The operator's view:
 ``stats`` (each step), ``metrics`` over ``distribution`` (over the engine's life),

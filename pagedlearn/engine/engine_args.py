@@ -26,7 +26,7 @@ import torch
 from pagedlearn.attention.kv_cache import KVCache
 from pagedlearn.core.kv_cache_manager import KVCacheManager
 from pagedlearn.engine.llm_engine import LLMEngine
-from pagedlearn.engine.scheduler import KV_RESERVATIONS, PREEMPTION_MODES
+from pagedlearn.engine.scheduler import KV_RESERVATIONS, PREEMPTION_MODES, Scheduler
 from pagedlearn.errors import KernelUnavailableError, PagedLearnError
 from pagedlearn.hybrid.kv_cache_coordinator import KVCacheCoordinator
 from pagedlearn.models.runner import ModelRunner, kv_cache_spec, max_model_len
@@ -133,19 +133,16 @@ class EngineArgs:
             cache, runner = start_workers(
                 hf_model, tp, spec, num_blocks, block_size, swap_blocks, backend, dev
             )
-        engine = LLMEngine(
-            hf_model,
-            loaded.tokenizer,
+        scheduler = Scheduler(
             kv,
-            cache,
-            runner,
-            max_len,
             self.max_num_seqs,
             max_batched,
             self.preemption_mode,
             self.enable_chunked_prefill,
             self.kv_reservation,
+            max_len,
         )
+        engine = LLMEngine(hf_model, loaded.tokenizer, cache, runner, scheduler, max_len)
         if self.model_version is not None:
             engine.model_version = self.model_version  # the manager's model_id: (name, version)
         if self.verbose:

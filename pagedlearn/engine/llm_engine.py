@@ -24,10 +24,7 @@ What comes in is checked once, at the door, in admission.py (``RequestRejectedEr
 goes out -- each request's output, a finished or failed request, and each step's stats and its
 frame in the trace -- is built in outputs.py. This file is the step in between.
 
-What may share cached KV: a prompt hits a cached block only if everything that went into the
-block's hash agrees -- its tokens and those before them, the model (with its version), the
-LoRA adapter and the cache salt (``add_request``'s ``cache_salt`` and ``lora_request``,
-:attr:`LLMEngine.model_version`, :meth:`LLMEngine.reset_prefix_cache`).
+What may share cached KV (the model's version, resetting the prefix cache) is in cache_keys.py.
 
 After the forward, ``_process`` hands each request's rows to
 :func:`~pagedlearn.engine.sampler.sample_step` (or beam search's ``beam_step``), which draws the
@@ -44,9 +41,9 @@ from collections.abc import Callable, Hashable, Sequence
 import torch
 
 from pagedlearn.attention.kv_cache import KVCache
-from pagedlearn.core.kv_cache_manager import KVCacheManager
 from pagedlearn.engine.admission import RequestRejectedError, admit
 from pagedlearn.engine.beam_search import beam_step
+from pagedlearn.engine.cache_keys import reset, set_model_version
 from pagedlearn.engine.metrics import EngineMetrics
 from pagedlearn.engine.outputs import detokenize, fail, finish, frame, mark, publish, request_output
 from pagedlearn.engine.recovery import Recovery, StepJournal, held_interrupts, recover
@@ -69,35 +66,24 @@ class LLMEngine:
         self,
         model,
         tokenizer,
-        kv: KVCacheManager,
         kv_cache: KVCache,
         runner: ModelRunner,
+        scheduler: Scheduler,
         max_model_len: int,
-        max_num_seqs: int,
-        max_num_batched_tokens: int,
-        preemption_mode: str,
-        chunked_prefill: bool = True,
-        kv_reservation: str = "paged",
     ) -> None:
+        """The parts come built (engine_args.py builds them from ``LLM``'s arguments): the
+        scheduler holds the KV-cache manager (``self.kv``), ``kv_cache`` the tensors its block
+        ids index, ``runner`` the model's packed forward."""
         self.model, self.tokenizer = model, tokenizer
-        self.kv, self.kv_cache, self.runner = kv, kv_cache, runner
-        self.max_model_len = max_model_len
-        self.scheduler = Scheduler(
-            kv,
-            max_num_seqs,
-            max_num_batched_tokens,
-            preemption_mode,
-            chunked_prefill,
-            kv_reservation,
-            max_model_len,
-        )
+        self.kv, self.kv_cache, self.runner = scheduler.kv, kv_cache, runner
+        self.scheduler, self.max_model_len = scheduler, max_model_len
         self.sampler = Sampler()
         self.eos_token_id = getattr(tokenizer, "eos_token_id", None)
         self.requests: dict[str, Request] = {}
         self.num_steps = 0
         self.last_stats: StepStats | None = None
         self._stats_subscribers: list[Callable[[StepStats], None]] = []
-        self.metrics = EngineMetrics(max_model_len, kv.trace)  # distributions, windows
+        self.metrics = EngineMetrics(max_model_len, self.kv.trace)  # distributions, windows
         self._arrivals = 0
         self.num_finished = 0
         self.num_failed = 0
@@ -108,7 +94,7 @@ class LLMEngine:
         self.last_recovery: Recovery | None = None
         self.broken: str | None = None
         # The model's name in the block hashes, and its version (model_version adds it there).
-        self._model_name: Hashable = getattr(kv, "model_id", None)
+        self._model_name: Hashable = getattr(self.kv, "model_id", None)
         self._model_version: Hashable = None
         self._detokenize = functools.partial(detokenize, self)
 
@@ -166,7 +152,7 @@ class LLMEngine:
         mark(self, [out])
         return out
 
-    # --- the prefix cache -----------------------------------------------------------------------
+    # --- the prefix cache (what may share cached KV: cache_keys.py) ----------------------------
     @property
     def model_name(self) -> Hashable:
         """The model's name, as ``LLM`` loaded it (the manager's ``model_id`` without a version):
@@ -175,47 +161,19 @@ class LLMEngine:
 
     @property
     def model_version(self) -> Hashable:
-        """The weights' version (None: unversioned), in every block hash: the manager's
-        ``model_id`` is ``(model name, version)``, or the bare name for None. Set it when the
-        weights change and no later prompt hits a block cached under the old version. Running
-        sequences keep the keys they started with (their blocks are cached under the old one,
-        which no new prompt looks up); a request preempted by recompute is re-admitted under
-        the new one. Old cached blocks are evicted as the pool needs them (or at once:
-        :meth:`reset_prefix_cache`)."""
+        """The weights' version (None: unversioned), in every block hash. Set it when the weights
+        change, and no later prompt hits a block cached under the old version
+        (:func:`~pagedlearn.engine.cache_keys.set_model_version` says what happens to the rest)."""
         return self._model_version
 
     @model_version.setter
     def model_version(self, version: Hashable) -> None:
-        # It enters every block hash by its text (repr): only values whose text is their content.
-        textual = isinstance(version, (str, int)) and not isinstance(version, bool)
-        if version is not None and not textual:
-            raise PagedLearnError(
-                f"model_version must be hashable as text: a str, an int or None, got {version!r}"
-            )
-        self.kv.model_id = self._model_name if version is None else (self._model_name, version)
-        self._model_version = version
+        set_model_version(self, version)
 
     def reset_prefix_cache(self) -> int:
-        """Forget every cached prefix (vLLM's name): afterwards no prompt hits a block cached
-        before. Returns how many cached blocks were dropped (vLLM returns a bool instead).
-        The manager's ``cache_reset`` event lets the views mark it.
-
-        Refused (:class:`PagedLearnError`, nothing changed) while a request holds blocks --
-        running or swapped out --, naming them: finish or abort them first. Waiting requests
-        hold none, and stay queued."""
-        if self.broken:
-            raise PagedLearnError(f"reset_prefix_cache refused: {self.broken}")
-        q = self.scheduler
-        held = [(r.request_id, "running") for r in q.running]
-        held += [(r.request_id, "swapped") for r in q.swapped]
-        if held:
-            names = ", ".join(f"{rid!r} ({status})" for rid, status in held[:8])
-            more = f" and {len(held) - 8} more" if len(held) > 8 else ""
-            raise PagedLearnError(
-                f"reset_prefix_cache refused: requests {names}{more} hold blocks; wait until "
-                "they finish (or abort them) first"
-            )
-        return self.kv.reset_prefix_cache()
+        """Forget every cached prefix (vLLM's name); returns how many cached blocks were dropped.
+        Refused while a request holds blocks (:func:`~pagedlearn.engine.cache_keys.reset`)."""
+        return reset(self)
 
     def has_unfinished_requests(self) -> bool:
         """Whether a ``step()`` has work: queued requests, or outputs of requests that finished
