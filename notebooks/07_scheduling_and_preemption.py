@@ -247,9 +247,9 @@ for mode in ("recompute", "swap"):
 #    waiting queue at its arrival position, so FCFS alone brings it back first.
 #
 # We read all four off one run: the workload in the pool of `SMALL` blocks with swap, recorded.
-# `queue_changes` (in `pagedlearn.engine.queue_changes`) turns the recording's step events back into the
-# scheduler's decisions: for each step, who was admitted, swapped in, preempted or finished, and
-# the queues after it. The steps where something moved:
+# `queue_changes` (in `pagedlearn.engine.queue_changes`) turns the recording's step events back
+# into the scheduler's decisions: for each step, who was admitted, swapped in, preempted or
+# finished, and the queues after it. The steps where something moved:
 
 # %%
 from pagedlearn.engine.queue_changes import queue_changes

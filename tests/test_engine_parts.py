@@ -157,7 +157,7 @@ def test_greedy_matches_the_torch_reference(rows):
         logits[1] = 0.0  # a row of equal values: id 0
     logprobs = Sampler().logprobs(logits)
     best_lp, best_tok = logprobs.max(dim=-1)  # torch: (S,), (S,); ties to the lowest id
-    assert Sampler().greedy(logprobs) == list(zip(best_tok.tolist(), best_lp.tolist()))
+    assert Sampler().greedy(logprobs) == list(zip(best_tok.tolist(), best_lp.tolist(), strict=True))
     assert all(tok == 3 for tok, _ in Sampler().greedy(logprobs)[2:])
 
 
@@ -197,7 +197,7 @@ def test_add_next_tokens_plans_each_token_at_the_slot_the_manager_gives_it(block
         for req in reqs:
             out.add_next_tokens(kv, req, chunk=3 if step == 2 else 1)
         for s in out.scheduled[planned:]:
-            assert s.slots == kv.slots(s.seq.seq_id, s.start_pos)
+            assert s.slots == kv.slot_mappings(s.seq.seq_id, s.start_pos)
             assert s.block_tables == kv.block_tables(s.seq.seq_id)
             assert s.start_pos + len(s.new_tokens) == kv.num_tokens(s.seq.seq_id)
             assert s.samples == (kv.num_tokens(s.seq.seq_id) == len(s.seq.token_ids))

@@ -235,8 +235,8 @@ def test_check_tokens_turns_tensors_and_arrays_into_plain_ints():
 # --- a table's slots -----------------------------------------------------------------------------
 @settings(max_examples=200, deadline=None)
 @given(st.integers(1, 5), st.integers(0, 23), st.integers(0, 3), st.integers(-2, 25), st.randoms())
-def test_live_slots_are_slot_of_each_position(block_size, num_tokens, nulls, start, rnd):
-    """``live_slots`` (a block at a time) against ``slot(i)`` per position, -1 where a sliding
+def test_slot_mapping_is_slot_of_each_position(block_size, num_tokens, nulls, start, rnd):
+    """``slot_mapping`` (a block at a time) against ``slot(i)`` per position, -1 where a sliding
     window freed the block (null entries only ever form the head of a table)."""
     from pagedlearn.core.block_table import NULL_BLOCK, BlockTable
 
@@ -246,13 +246,13 @@ def test_live_slots_are_slot_of_each_position(block_size, num_tokens, nulls, sta
     table = BlockTable(block_size, ids, list(range(num_tokens)))
     if start < 0:  # not a position: refused, as slot() refuses it
         with pytest.raises(IndexError, match=f"token position {start} out of range"):
-            table.live_slots(start)
+            table.slot_mapping(start)
         return
     want = [
         NULL_BLOCK if ids[i // block_size] == NULL_BLOCK else table.slot(i)
         for i in range(start, num_tokens)
     ]
-    assert table.live_slots(start) == want
+    assert table.slot_mapping(start) == want
 
 
 # --- plugged-in parts keep their say ------------------------------------------------------------
@@ -273,7 +273,7 @@ def test_a_plugged_in_block_table_computes_the_slots():
     kv.add_sequence("a", [1, 2, 3])
     assert kv.slot_mapping("a") == [1000, 1001, 1002]
     assert kv.append_token("a", 4) == 1003 and kv.append_token("a", 5) == 1000 + 4 * 1
-    assert kv.slots("a", 2) == [[1002, 1003, 1004]]
+    assert kv.slot_mappings("a", 2) == [[1002, 1003, 1004]]
 
 
 def test_an_allocator_that_does_not_count_evictions_still_forgets_evicted_hashes():

@@ -37,9 +37,6 @@ NOT_RUN_BY_THE_ENGINE = {
     "(all sequences in one masked gather), which is checked against paged_attention_ref",
     "attention:paged_attention_online_softmax_ref": "the kernel's loop written in PyTorch, to "
     "read before kernels/decode_attention.py; the engine runs the kernel itself",
-    "allocator:BlockTable.slot_mapping": "the engine asks for slots through "
-    "BlockTable.live_slots (slot_mapping from a position on, -1 where a window freed a block, "
-    "built a block at a time), which the lab does not blank",
 }
 
 # The engine's reference backend builds its ops once (functools.cache) from what

@@ -209,9 +209,28 @@ class BlockTable(BlockTable):  # the class so far, with these methods yours
             raise IndexError(f"token position {i} out of range for {self.num_tokens} tokens")
         return self.block_ids[i // self.block_size] * self.block_size + i % self.block_size
 
-    def slot_mapping(self) -> list[int]:
-        """One slot per token position, 0 .. num_tokens-1 (what the KV write kernel consumes)."""
-        return [self.slot(i) for i in range(self.num_tokens)]
+    def slot_mapping(self, start: int = 0) -> list[int]:
+        """One slot per token position, ``start`` .. num_tokens-1 (what the KV write kernel
+        consumes: the engine asks from the first position it has not computed yet), with -1
+        ("skip") where a sliding window freed the block.
+
+        Built a block at a time: a block's slots are consecutive, so one ``slot`` call per block
+        gives the first and a ``range`` the rest (tests check it against ``slot`` per position).
+
+        >>> BlockTable(4, [-1, 2, 11], list(range(10))).slot_mapping(start=3)
+        [-1, 8, 9, 10, 11, 44, 45]
+        """
+        bs, ids, end, slots = self.block_size, self.block_ids, self.num_tokens, []
+        if start < 0:
+            raise IndexError(f"token position {start} out of range for {end} tokens")
+        for j in range(start // bs, -(-end // bs) if start < end else 0):
+            lo, hi = max(start, j * bs), min(end, (j + 1) * bs)  # positions lo..hi-1 in block j
+            if ids[j] == NULL_BLOCK:
+                slots.extend([NULL_BLOCK] * (hi - lo))
+            else:
+                first = self.slot(lo)
+                slots.extend(range(first, first + hi - lo))
+        return slots
 
 
 check("table")

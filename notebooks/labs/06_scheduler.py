@@ -192,8 +192,8 @@ check("preempt")
 
 # %% tags=["demo"]
 from pagedlearn import SamplingParams
-from pagedlearn.engine.scheduler import Scheduler as PackageScheduler
 from pagedlearn.engine.queue_changes import queue_changes
+from pagedlearn.engine.scheduler import Scheduler as PackageScheduler
 from pagedlearn.labs.scheduler import your_engine
 
 # request -> (prompt tokens, max_tokens, n)

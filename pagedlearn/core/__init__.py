@@ -10,9 +10,11 @@ token's K/V goes and which blocks must be copied. Read in this order:
 3. ``prefix_cache.py`` -- full blocks found again by a hash chained on the parent block.
 4. ``sequence_tables.py`` -- every sequence's table, on the GPU or swapped out, and the checks of
    what a caller hands in.
-5. ``kv_cache_manager.py`` -- all of it together: add / append / fork with copy-on-write / free.
-6. ``swap.py`` -- preemption by swapping: a request's blocks to a CPU pool and back (section 4.5).
-7. ``invariants.py`` -- the rules that hold after every operation, each checked by number.
+5. ``swap.py`` -- preemption by swapping: a request's blocks to a CPU pool and back (section 4.5).
+6. ``kv_cache_pool.py`` -- what a manager allocates from: the blocks, the prefix cache, the swap
+   space, the pending copies and the trace, in one object.
+7. ``kv_cache_manager.py`` -- all of it together: add / append / fork with copy-on-write / free.
+8. ``invariants.py`` -- the rules that hold after every operation, each checked by number.
 
 After the core: ``engine/`` (the scheduler and ``LLM``: a model generating from this cache),
 ``models/`` (the cache plugged into Hugging Face models), ``attention/`` and ``kernels/`` (what

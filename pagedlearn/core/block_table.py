@@ -16,7 +16,7 @@ slot 45; slots 46 and 47 of block 11 are still empty.
 In a sliding-window KV-cache group (kv_cache_groups.py) the blocks a window has left behind go
 back to the pool, and their entries become ``NULL_BLOCK`` (-1): the table keeps its positions
 (logical block ``j`` still starts at token ``j * block_size``), attention never reads those
-entries, and their slots are -1 ("skip", ``live_slots``). Null entries only ever form the head
+entries, and their slots are -1 ("skip", ``slot_mapping``). Null entries only ever form the head
 of a table.
 
 The table also remembers the token ids (the prefix cache hashes full blocks of them) and, when
@@ -71,15 +71,17 @@ class BlockTable:
             raise IndexError(f"token position {i} out of range for {self.num_tokens} tokens")
         return self.block_ids[i // self.block_size] * self.block_size + i % self.block_size
 
-    def slot_mapping(self) -> list[int]:
-        """One slot per token position, 0 .. num_tokens-1 (what the KV write kernel consumes)."""
-        return [self.slot(i) for i in range(self.num_tokens)]
+    def slot_mapping(self, start: int = 0) -> list[int]:
+        """One slot per token position, ``start`` .. num_tokens-1 (what the KV write kernel
+        consumes: the engine asks from the first position it has not computed yet), with -1
+        ("skip") where a sliding window freed the block.
 
-    def live_slots(self, start: int = 0) -> list[int]:
-        """:meth:`slot_mapping` from position ``start`` on, with -1 ("skip") for a position
-        whose block a sliding window freed. (Built a block at a time: a block's slots are
-        consecutive, so one ``slot`` call per block gives the first and a ``range`` the rest;
-        tests check it against ``slot`` per position.)"""
+        Built a block at a time: a block's slots are consecutive, so one ``slot`` call per block
+        gives the first and a ``range`` the rest (tests check it against ``slot`` per position).
+
+        >>> BlockTable(4, [-1, 2, 11], list(range(10))).slot_mapping(start=3)
+        [-1, 8, 9, 10, 11, 44, 45]
+        """
         bs, ids, end, slots = self.block_size, self.block_ids, self.num_tokens, []
         if start < 0:
             raise IndexError(f"token position {start} out of range for {end} tokens")

@@ -3,14 +3,14 @@
 This is what a serving engine's scheduler talks to (vLLM calls its version the block manager or
 KV cache manager). It owns
 
-- a :class:`BlockAllocator` (block_allocator.py: which physical blocks are free, refcounts),
 - one :class:`BlockTable` per sequence (logical -> physical blocks, tokens, slots), kept in a
   :class:`SequenceTables` that knows which are on the GPU and which are swapped out,
-- a prefix cache when ``enable_prefix_caching`` (hash -> block for full blocks: the
-  :class:`PrefixCache` of prefix_cache.py),
-- a second pool over a CPU swap pool when ``num_cpu_blocks > 0``,
-- a :class:`Trace` that announces every block operation (trace/events.py; block_events.py emits
-them).
+- its :class:`KVCachePool` (kv_cache_pool.py), built from its arguments: a
+  :class:`BlockAllocator` (block_allocator.py: which physical blocks are free, refcounts), a
+  prefix cache when ``enable_prefix_caching`` (hash -> block for full blocks: the
+  :class:`PrefixCache` of prefix_cache.py), a CPU swap pool when ``num_cpu_blocks > 0``
+  (swap.py), the pending copies, and a :class:`Trace` that announces every block operation
+  (trace/events.py; block_events.py emits them).
 
 It never touches a tensor. It answers "where does token i's K/V go?" (``append_token`` returns a
 slot; ``slot_mapping`` gives all of them) and "which blocks must be copied before the next kernel
@@ -30,17 +30,14 @@ Rules worth knowing:
   forgotten and an ``evict`` event names the sequence that took it.
 - Any operation that raises leaves every table, refcount and cache entry as it was.
 
-Swapping (preemption by swap, the paper's section 4.5) is in swap.py: with ``num_cpu_blocks > 0``,
-``swap_out`` moves the samples of a request to a CPU pool (their tables stay, naming CPU blocks)
-and ``swap_in`` brings them back. Like copy-on-write, swaps return copies for the engine, which
-applies them before the next forward pass in this order: swap-out, swap-in, copy-on-write.
-The rules that must hold after every operation are checked in invariants.py.
+Swapping (preemption by swap, the paper's section 4.5) is in swap.py: ``swap_out`` moves a
+request's samples to a CPU pool, ``swap_in`` brings them back, and the engine applies their copies
+in this order: swap-out, swap-in, copy-on-write. The rules that must hold after every operation
+are checked in invariants.py.
 
-A model that mixes sliding-window and full-attention layers has several KV-cache groups
-(kv_cache_groups.py): :class:`~pagedlearn.hybrid.kv_cache_coordinator.KVCacheCoordinator` then runs
-one manager per group over one shared pool (``share_pool_of``), and a sliding group's manager
-(sliding_window_manager.py) frees the blocks its window has left behind
-(``remove_skipped_blocks``: a no-op here, where every layer sees every token).
+A model that mixes sliding-window and full-attention layers runs one manager per KV-cache group
+over one pool (hybrid/: the coordinator, and a sliding group's manager, whose
+``remove_skipped_blocks`` frees the blocks its window has left behind; a no-op here).
 """
 
 from __future__ import annotations
@@ -49,15 +46,15 @@ from collections import Counter
 from collections.abc import Hashable, Iterable
 from typing import Any
 
-from pagedlearn.core import swap
 from pagedlearn.core.block_allocator import BlockAllocator
 from pagedlearn.core.block_table import NULL_BLOCK, BlockTable
 from pagedlearn.core.invariants import check_invariants
+from pagedlearn.core.kv_cache_pool import KVCachePool
 from pagedlearn.core.prefix_cache import ROOT_HASH, PrefixCache, make_extra_keys, parent_hash
 from pagedlearn.core.sequence_tables import SequenceTables, check_token, check_tokens, id_list
 from pagedlearn.errors import OutOfBlocksError, PagedLearnError
 from pagedlearn.trace.block_events import BlockEvents
-from pagedlearn.trace.events import EventLog, StepMarker, Trace
+from pagedlearn.trace.events import EventLog, StepMarker
 
 
 class KVCacheManager:
@@ -95,38 +92,36 @@ class KVCacheManager:
         model_id: Hashable = None,
         num_cpu_blocks: int = 0,
         *,
-        share_pool_of: KVCacheManager | None = None,
+        pool: KVCachePool | None = None,
         group: str | None = None,
     ) -> None:
-        """``share_pool_of`` and ``group`` are for :class:`KVCacheCoordinator`: the managers of a
-        model's KV-cache groups share one manager's pools, prefix cache, trace and pending
-        copies, and each announces its events under ``"<seq id>|<group>"``."""
+        """A manager over its own pool of ``num_blocks`` GPU blocks (and ``num_cpu_blocks`` CPU
+        ones). hybrid/'s coordinator hands every KV-cache group's manager one shared ``pool``,
+        built from the same arguments, and the ``group`` name its events carry."""
         if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
             raise PagedLearnError(f"block_size must be a positive int, got {block_size!r}")
-        n_cpu = num_cpu_blocks
-        if not isinstance(n_cpu, int) or isinstance(n_cpu, bool) or n_cpu < 0:
-            raise PagedLearnError(f"num_cpu_blocks must be an int >= 0, got {n_cpu!r}")
         self.block_size = block_size
-        self.enable_prefix_caching = enable_prefix_caching
         self.model_id = model_id  # part of every block hash: no sharing across models
-        pool = share_pool_of
-        self.trace = pool.trace if pool else Trace()
-        self.allocator = pool.allocator if pool else self.allocator_class(num_blocks)
-        if pool:
-            self.prefix_cache = pool.prefix_cache
-        else:
-            self.prefix_cache = self.prefix_cache_class() if enable_prefix_caching else None
-        # The swap pool holds KV only while its sequence is swapped out: no caching, no eviction.
-        if pool:
-            self.cpu_allocator = pool.cpu_allocator
-        else:
-            self.cpu_allocator = self.allocator_class(n_cpu) if n_cpu else None
+        if pool is None:
+            pool = KVCachePool(
+                num_blocks,
+                num_cpu_blocks,
+                enable_prefix_caching,
+                self.allocator_class,
+                self.prefix_cache_class,
+            )
+        self.pool = pool
+        self.allocator, self.prefix_cache, self.trace = (
+            pool.allocator,
+            pool.prefix_cache,
+            pool.trace,
+        )
+        self.cpu_allocator = pool.swap.cpu_allocator  # None: no swapping
+        self._copies = pool.copies  # pending copy-on-write (src, dst), shared by a pool's groups
         self._seqs = SequenceTables()  # every sequence's table, on the GPU or swapped out
         self._sizer = self.block_table_class(block_size)  # an empty table: blocks_needed asks it
         self._events = BlockEvents(self.trace, group)
         self._marker = StepMarker()
-        # Pending copy-on-write (src, dst); one list for all the groups sharing a pool.
-        self._copies: list[tuple[int, int]] = pool._copies if pool else []
         self._counters = {
             "prefix_query_tokens": 0,
             "prefix_hit_tokens": 0,
@@ -308,23 +303,27 @@ class KVCacheManager:
             )
         if self.prefix_cache is None:
             return 0
-        return len(drop_free_cached_blocks(self.allocator, self.prefix_cache, self.trace))
+        return len(self.pool.drop_free_cached_blocks())
 
     # --- swapping (swap.py: the rules, the copy order, the code) -----------------------------
     def swap_out(self, seq_ids: Iterable[Hashable]) -> list[tuple[int, int]]:
         """Move a group of sequences (the samples of one request) to the CPU pool; returns the
-        ``(gpu_block, cpu_block)`` copies to apply first. See
-        :func:`pagedlearn.core.swap.swap_out`."""
-        copies = swap.swap_out(self, seq_ids)
+        ``(gpu_block, cpu_block)`` copies to apply first (:meth:`SwapSpace.swap_out`)."""
+        copies = self.pool.swap.swap_out(self._seqs, seq_ids, self._events)
         self._counters["swap_out_blocks"] += len(copies)
         return copies
 
     def swap_in(self, seq_ids: Iterable[Hashable]) -> list[tuple[int, int]]:
         """Bring a swapped-out group back to the GPU; returns the ``(cpu_block, gpu_block)``
-        copies to apply after swap-out ones. See :func:`pagedlearn.core.swap.swap_in`."""
-        copies = swap.swap_in(self, seq_ids)
+        copies to apply after swap-out ones (:meth:`SwapSpace.swap_in`)."""
+        swap = self.pool.swap
+        copies = swap.swap_in(self._seqs, seq_ids, self._events, self._allocate, self._index_blocks)
         self._counters["swap_in_blocks"] += len(copies)
         return copies
+
+    def blocks_to_swap_in(self, seq_ids: Iterable[Hashable]) -> int:
+        """GPU blocks ``swap_in(seq_ids)`` would allocate (see swap.py); changes nothing."""
+        return self.pool.swap.blocks_to_swap_in(self._seqs, seq_ids)
 
     # --- queries -------------------------------------------------------------------------------
     def block_table(self, seq_id: Hashable) -> list[int]:
@@ -333,17 +332,18 @@ class KVCacheManager:
         except (KeyError, TypeError):
             return list(self._seqs.on_gpu(seq_id).block_ids)  # raises, naming the problem
 
-    def slot_mapping(self, seq_id: Hashable) -> list[int]:
-        return self._seqs.on_gpu(seq_id).live_slots()
+    def slot_mapping(self, seq_id: Hashable, start: int = 0) -> list[int]:
+        """The slots of token positions ``start..`` (-1 where a window freed the block)."""
+        return self._seqs.on_gpu(seq_id).slot_mapping(start)
 
     def block_tables(self, seq_id: Hashable) -> list[list[int]]:
         """The sequence's block table in every KV-cache group: one here (the coordinator of a
         hybrid model has one per group). What the model runner hands attention."""
         return [self.block_table(seq_id)]
 
-    def slots(self, seq_id: Hashable, start: int = 0) -> list[list[int]]:
-        """The slots of token positions ``start..`` in every KV-cache group (one here)."""
-        return [self._seqs.on_gpu(seq_id).live_slots(start)]
+    def slot_mappings(self, seq_id: Hashable, start: int = 0) -> list[list[int]]:
+        """:meth:`slot_mapping` in every KV-cache group (one here), as ``block_tables``."""
+        return [self._seqs.on_gpu(seq_id).slot_mapping(start)]
 
     def min_blocks_to_run(self, num_tokens: int) -> int:
         """The fewest blocks a sequence of ``num_tokens`` tokens can run in, its prompt
@@ -423,10 +423,6 @@ class KVCacheManager:
         copies = sum(min(k, self.allocator.refcount(b) - 1) for b, k in writers.items())
         return new_blocks + copies
 
-    def blocks_to_swap_in(self, seq_ids: Iterable[Hashable]) -> int:
-        """GPU blocks ``swap_in(seq_ids)`` would allocate (see swap.py); changes nothing."""
-        return swap.blocks_to_swap_in(self, seq_ids)
-
     @property
     def num_free_blocks(self) -> int:
         return self.allocator.num_free_blocks
@@ -470,7 +466,7 @@ class KVCacheManager:
             self._seqs, self.allocator, self.cpu_allocator, self.prefix_cache, self.block_size
         )
 
-    # --- internals (swap.py uses _allocate and _index_blocks too) ------------------------------
+    # --- internals (swap_in hands _allocate and _index_blocks to the swap space) ----------------
     def _allocate(self, n: int, seq_id: Hashable, what: str = "") -> list[int]:
         """``n`` fresh GPU blocks for ``seq_id``'s new data (``what`` names the request in an
         :class:`OutOfBlocksError`). A free cached block taken here loses its prefix-cache entry:
@@ -525,27 +521,3 @@ class KVCacheManager:
                 self.allocator.mark_cached(block)
                 if listening:
                     self._events.cache_store(seq_id, block, hashes[j], block_tokens)
-
-
-def uncache_free_blocks(allocator, prefix_cache) -> list[tuple[int, bytes]]:
-    """Make every free cached block an empty one and forget its hash; returns ``(block,
-    hash)`` for each. Blocks in use keep their entries. An allocator forgets that a block is
-    cached only when it hands it out, so every free block is handed out and taken back, in the
-    same order (the allocator counts each cached one as an eviction). Emits nothing: the
-    caller says why (a reset, or recovery.py dropping blocks whose K/V may never have been
-    written)."""
-    if not allocator.num_cached_free_blocks:
-        return []
-    blocks = allocator.allocate(allocator.num_free_blocks)  # the empty ones first
-    dropped = [(b, h) for b in blocks if (h := prefix_cache.evict(b)) is not None]
-    allocator.free(blocks)  # back in the same order, all of them empty now
-    return dropped
-
-
-def drop_free_cached_blocks(allocator, prefix_cache, trace) -> list[int]:
-    """:func:`uncache_free_blocks` for a reset: not an eviction, so not counted as one; emits a
-    ``cache_reset`` event naming the dropped blocks, and returns them."""
-    dropped = [b for b, _ in uncache_free_blocks(allocator, prefix_cache)]
-    allocator.num_evictions -= len(dropped)
-    trace.emit("cache_reset", tuple(dropped), ())
-    return dropped

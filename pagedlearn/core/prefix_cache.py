@@ -64,8 +64,8 @@ def hash_blocks(token_ids: Sequence[int], block_size: int, extra_keys: tuple) ->
     """
     hashes: list[bytes] = []
     parent = ROOT_HASH  # block 0 chains on the root, block j on block j - 1
-    for start in range(0, len(token_ids) - block_size + 1, block_size):  # each full block
-        parent = hash_block(parent, token_ids[start : start + block_size], extra_keys)
+    for first in range(0, len(token_ids) - block_size + 1, block_size):  # each full block
+        parent = hash_block(parent, token_ids[first : first + block_size], extra_keys)
         hashes.append(parent)
     return hashes
 

@@ -32,17 +32,17 @@ copy-on-write is free (the swap-in could take it, and the later copy would read 
 >>> kv.swap_in(["a", "b"])          # (cpu, gpu): new GPU blocks, shared by both again
 [(0, 2), (1, 3)]
 
-Call these functions through the manager (``kv.swap_out(ids)``, ``kv.swap_in(ids)``,
-``kv.blocks_to_swap_in(ids)``): they are its methods' bodies, kept in a file of their own so that
-each file reads in one sitting. They use a small part of the manager, listed in :class:`Manager`
-below; tables move between the GPU and the CPU side through ``SequenceTables.to_cpu`` / ``to_gpu``.
+The manager's ``swap_out``, ``swap_in`` and ``blocks_to_swap_in`` call a :class:`SwapSpace`: the
+CPU pool, handed the GPU allocator and the pending copy-on-write list when it is built, and the
+asking manager's tables, event emitter and allocate function with each call (a hybrid model's
+KV-cache groups share one swap space, each with its own tables). Tables move between the GPU and
+the CPU side through ``SequenceTables.to_cpu`` / ``to_gpu``.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Hashable, Iterable
-from typing import Protocol
+from collections.abc import Callable, Hashable, Iterable
 
 from pagedlearn.core.block_allocator import BlockAllocator
 from pagedlearn.core.block_table import NULL_BLOCK, BlockTable
@@ -51,129 +51,137 @@ from pagedlearn.errors import OutOfBlocksError, PagedLearnError
 from pagedlearn.trace.block_events import BlockEvents
 
 
-class Manager(Protocol):
-    """What swapping uses of :class:`~pagedlearn.core.kv_cache_manager.KVCacheManager`, named here
-    instead of imported (a lower file never imports a higher one)."""
+class SwapSpace:
+    """The CPU swap pool of one GPU pool: ``cpu_allocator`` (None: no swapping) beside the GPU
+    ``allocator``. ``pending_copies`` is the manager's list of copy-on-write copies, read (never
+    written) to refuse a swap whose copies would run in the wrong order."""
 
-    allocator: BlockAllocator  # the GPU pool
-    cpu_allocator: BlockAllocator | None  # the CPU pool; None: no swapping
-    _seqs: SequenceTables  # every sequence's table, on the GPU or swapped out
-    _events: BlockEvents  # announces swap_out and swap_in
-    _copies: list[tuple[int, int]]  # the pending copy-on-write copies (read here, never written)
+    def __init__(
+        self,
+        allocator: BlockAllocator,
+        cpu_allocator: BlockAllocator | None,
+        pending_copies: list[tuple[int, int]],
+    ) -> None:
+        self.allocator = allocator
+        self.cpu_allocator = cpu_allocator
+        self.pending_copies = pending_copies
 
-    def _allocate(self, n: int, seq_id: Hashable, what: str = "") -> list[int]:
-        """``n`` GPU blocks for ``seq_id``; a cached block it evicts is announced."""
+    def swap_out(
+        self, seqs: SequenceTables, seq_ids: Iterable[Hashable], events: BlockEvents
+    ) -> list[tuple[int, int]]:
+        """Move a group of sequences (the samples of one request) to the CPU pool; returns the
+        ``(gpu_block, cpu_block)`` copies the engine applies first, before swap-in and
+        copy-on-write copies.
 
-    def _index_blocks(self, seq_id: Hashable, table: BlockTable, start: int = 0) -> None:
-        """Register the table's full blocks in the prefix cache (with caching on)."""
+        Each distinct GPU block of the group gets one CPU block, referenced once per group table
+        that points at it. The GPU blocks lose those references: blocks only the group used
+        become free (cached ones stay findable), blocks another sequence shares stay for it.
+        Raises :class:`OutOfBlocksError`, changing nothing, when the CPU pool lacks room.
+        """
+        ids = self._group(seqs, seq_ids, swapped=False, what="swap_out")
+        tables = [seqs.gpu[s] for s in ids]
+        refs = Counter(b for t in tables for b in t.live_blocks())  # GPU block -> group references
+        self.check_copy_order("swap_out", reads=refs.keys())
+        cpu = self.cpu_allocator
+        if len(refs) > cpu.num_free_blocks:
+            raise OutOfBlocksError(
+                len(refs), cpu.num_free_blocks, cpu.num_blocks, what=f"swap_out({ids!r}) to CPU"
+            )
+        # Nothing below can fail. Counter keeps first-seen order: copies follow the tables.
+        to_cpu = dict(zip(refs, cpu.allocate(len(refs)), strict=True))
+        cpu.incref(to_cpu[b] for b, n in refs.items() for _ in range(n - 1))
+        for s, t in zip(ids, tables, strict=True):
+            gpu = t.live_blocks()
+            self.allocator.free(gpu[::-1])  # tail first, as in free_sequence
+            t.block_ids = _renamed(t.block_ids, to_cpu)
+            seqs.to_cpu(s)
+            events.swap_out(s, gpu, t.live_blocks())
+        return list(to_cpu.items())
 
+    def swap_in(
+        self,
+        seqs: SequenceTables,
+        seq_ids: Iterable[Hashable],
+        events: BlockEvents,
+        allocate: Callable[[int, Hashable], list[int]],
+        index_blocks: Callable[[Hashable, BlockTable], None],
+    ) -> list[tuple[int, int]]:
+        """Bring a swapped-out group back to the GPU; returns the ``(cpu_block, gpu_block)``
+        copies the engine applies after this step's swap-out copies, before copy-on-write ones.
 
-def swap_out(kv: Manager, seq_ids: Iterable[Hashable]) -> list[tuple[int, int]]:
-    """Move a group of sequences (the samples of one request) to the CPU pool; returns the
-    ``(gpu_block, cpu_block)`` copies the engine applies first, before swap-in and
-    copy-on-write copies.
+        Each distinct CPU block gets one new GPU block from ``allocate(n, seq_id)`` (which may
+        evict cached blocks), shared again by the tables that shared it; the CPU blocks are
+        freed. ``index_blocks(seq_id, table)`` registers the group's full blocks in the prefix
+        cache again (unless the same content is already indexed). Raises
+        :class:`OutOfBlocksError`, changing nothing, when the GPU pool lacks room (ask
+        ``blocks_to_swap_in`` first; a failed swap is not counted in ``allocation_failures``).
+        """
+        ids = self._group(seqs, seq_ids, swapped=True, what="swap_in")
+        self.check_copy_order("swap_in")
+        tables = [seqs.cpu[s] for s in ids]
+        refs = Counter(b for t in tables for b in t.live_blocks())  # CPU block -> group references
+        a = self.allocator
+        if len(refs) > a.num_free_blocks:
+            raise OutOfBlocksError(
+                len(refs), a.num_free_blocks, a.num_blocks, what=f"swap_in({ids!r})"
+            )
+        # Nothing below can fail. Allocate per sequence, so that an evict event names the
+        # sequence whose KV takes the block.
+        to_gpu: dict[int, int] = {}
+        for s, t in zip(ids, tables, strict=True):
+            new = [c for c in t.live_blocks() if c not in to_gpu]
+            to_gpu.update(zip(new, allocate(len(new), s), strict=True))
+        a.incref(to_gpu[c] for c, n in refs.items() for _ in range(n - 1))
+        self.cpu_allocator.free(c for t in tables for c in t.live_blocks())
+        for s, t in zip(ids, tables, strict=True):
+            cpu_blocks = t.live_blocks()
+            t.block_ids = _renamed(t.block_ids, to_gpu)
+            seqs.to_gpu(s)
+            events.swap_in(s, t.live_blocks(), cpu_blocks)
+            index_blocks(s, t)  # the KV is back: let other requests find it
+        return list(to_gpu.items())
 
-    Each distinct GPU block of the group gets one CPU block, referenced once per group table
-    that points at it. The GPU blocks lose those references: blocks only the group used
-    become free (cached ones stay findable), blocks another sequence shares stay for it.
-    Raises :class:`OutOfBlocksError`, changing nothing, when the CPU pool lacks room.
-    """
-    ids = _group(kv, seq_ids, swapped=False, what="swap_out")
-    tables = [kv._seqs.gpu[s] for s in ids]
-    refs = Counter(b for t in tables for b in t.live_blocks())  # GPU block -> group references
-    check_copy_order(kv, "swap_out", reads=refs.keys())
-    cpu = kv.cpu_allocator
-    if len(refs) > cpu.num_free_blocks:
-        raise OutOfBlocksError(
-            len(refs), cpu.num_free_blocks, cpu.num_blocks, what=f"swap_out({ids!r}) to CPU"
-        )
-    # Nothing below can fail. Counter keeps first-seen order: copies follow the tables.
-    to_cpu = dict(zip(refs, cpu.allocate(len(refs)), strict=True))
-    cpu.incref(to_cpu[b] for b, n in refs.items() for _ in range(n - 1))
-    for s, t in zip(ids, tables, strict=True):
-        gpu = t.live_blocks()
-        kv.allocator.free(gpu[::-1])  # tail first, as in free_sequence
-        t.block_ids = _renamed(t.block_ids, to_cpu)
-        kv._seqs.to_cpu(s)
-        kv._events.swap_out(s, gpu, t.live_blocks())
-    return list(to_cpu.items())
+    def blocks_to_swap_in(self, seqs: SequenceTables, seq_ids: Iterable[Hashable]) -> int:
+        """GPU blocks ``swap_in(seq_ids)`` would allocate: the group's distinct CPU blocks."""
+        ids = self._group(seqs, seq_ids, swapped=True, what="blocks_to_swap_in")
+        return len({b for s in ids for b in seqs.cpu[s].live_blocks()})
 
+    def check_copy_order(self, what: str, reads: Iterable[int] | None = None) -> None:
+        """Refuse a swap whose copies, run before the pending copy-on-write ones, would move the
+        wrong KV: ``swap_out`` reading a block that waits for its copy, or ``swap_in`` while a
+        pending copy's block is free (swap_in could take it; the copy would then read or
+        overwrite the swapped-in KV)."""
+        refcount = self.allocator.refcount
+        for src, dst in self.pending_copies:
+            if reads is not None and dst in reads:
+                bad = f"block {dst} gets its KV from the pending copy-on-write {(src, dst)}"
+            elif reads is None and not (refcount(src) and refcount(dst)):
+                bad = f"the pending copy-on-write {(src, dst)} names a free block"
+            else:
+                continue
+            raise PagedLearnError(
+                f"{what}: {bad}, which runs after the swap copies: apply pop_copies() first"
+            )
 
-def swap_in(kv: Manager, seq_ids: Iterable[Hashable]) -> list[tuple[int, int]]:
-    """Bring a swapped-out group back to the GPU; returns the ``(cpu_block, gpu_block)``
-    copies the engine applies after this step's swap-out copies, before copy-on-write ones.
-
-    Each distinct CPU block gets one new GPU block (which may evict cached blocks), shared
-    again by the tables that shared it; the CPU blocks are freed. With prefix caching, the
-    group's full blocks are registered again (unless the same content is already indexed).
-    Raises :class:`OutOfBlocksError`, changing nothing, when the GPU pool lacks room (ask
-    ``blocks_to_swap_in`` first; a failed swap is not counted in ``allocation_failures``).
-    """
-    ids = _group(kv, seq_ids, swapped=True, what="swap_in")
-    check_copy_order(kv, "swap_in")
-    tables = [kv._seqs.cpu[s] for s in ids]
-    refs = Counter(b for t in tables for b in t.live_blocks())  # CPU block -> group references
-    a = kv.allocator
-    if len(refs) > a.num_free_blocks:
-        raise OutOfBlocksError(len(refs), a.num_free_blocks, a.num_blocks, what=f"swap_in({ids!r})")
-    # Nothing below can fail. Allocate per sequence, so that an evict event names the
-    # sequence whose KV takes the block.
-    to_gpu: dict[int, int] = {}
-    for s, t in zip(ids, tables, strict=True):
-        new = [c for c in t.live_blocks() if c not in to_gpu]
-        to_gpu.update(zip(new, kv._allocate(len(new), s), strict=True))
-    a.incref(to_gpu[c] for c, n in refs.items() for _ in range(n - 1))
-    kv.cpu_allocator.free(c for t in tables for c in t.live_blocks())
-    for s, t in zip(ids, tables, strict=True):
-        cpu_blocks = t.live_blocks()
-        t.block_ids = _renamed(t.block_ids, to_gpu)
-        kv._seqs.to_gpu(s)
-        kv._events.swap_in(s, t.live_blocks(), cpu_blocks)
-        kv._index_blocks(s, t)  # the KV is back: let other requests find it
-    return list(to_gpu.items())
-
-
-def blocks_to_swap_in(kv: Manager, seq_ids: Iterable[Hashable]) -> int:
-    """GPU blocks ``swap_in(seq_ids)`` would allocate: the group's distinct CPU blocks."""
-    ids = _group(kv, seq_ids, swapped=True, what="blocks_to_swap_in")
-    return len({b for s in ids for b in kv._seqs.cpu[s].live_blocks()})
+    def _group(
+        self, seqs: SequenceTables, seq_ids: Iterable[Hashable], swapped: bool, what: str
+    ) -> list[Hashable]:
+        """Check a swap group: distinct ids, at least one, all swapped out or all on the GPU."""
+        if self.cpu_allocator is None:
+            raise PagedLearnError(f"{what}: swap needs num_cpu_blocks > 0")
+        ids = id_list(seq_ids, what)
+        if not ids:
+            raise PagedLearnError(f"{what} needs at least one sequence id")
+        for s in ids:
+            if seqs.is_swapped(s) != swapped:
+                state = "is not swapped out" if swapped else "is already swapped out"
+                raise PagedLearnError(f"{what}: sequence {s!r} {state}")
+        if len(set(ids)) != len(ids):
+            twice = next(s for i, s in enumerate(ids) if s in ids[:i])
+            raise PagedLearnError(f"{what}: sequence id {twice!r} is listed twice")
+        return ids
 
 
 def _renamed(block_ids: list[int], new_id: dict[int, int]) -> list[int]:
     """A table's entries in the other pool; a sliding window's null entries stay null."""
     return [b if b == NULL_BLOCK else new_id[b] for b in block_ids]
-
-
-def _group(kv: Manager, seq_ids: Iterable[Hashable], swapped: bool, what: str) -> list[Hashable]:
-    """Check a swap group: distinct ids, at least one, all swapped out or all on the GPU."""
-    if kv.cpu_allocator is None:
-        raise PagedLearnError(f"{what}: swap needs num_cpu_blocks > 0")
-    ids = id_list(seq_ids, what)
-    if not ids:
-        raise PagedLearnError(f"{what} needs at least one sequence id")
-    for s in ids:
-        if kv._seqs.is_swapped(s) != swapped:
-            state = "is not swapped out" if swapped else "is already swapped out"
-            raise PagedLearnError(f"{what}: sequence {s!r} {state}")
-    if len(set(ids)) != len(ids):
-        twice = next(s for i, s in enumerate(ids) if s in ids[:i])
-        raise PagedLearnError(f"{what}: sequence id {twice!r} is listed twice")
-    return ids
-
-
-def check_copy_order(kv: Manager, what: str, reads: Iterable[int] | None = None) -> None:
-    """Refuse a swap whose copies, run before the pending copy-on-write ones, would move the
-    wrong KV: ``swap_out`` reading a block that waits for its copy, or ``swap_in`` while a
-    pending copy's block is free (swap_in could take it; the copy would then read or
-    overwrite the swapped-in KV)."""
-    refcount = kv.allocator.refcount
-    for src, dst in kv._copies:
-        if reads is not None and dst in reads:
-            bad = f"block {dst} gets its KV from the pending copy-on-write {(src, dst)}"
-        elif reads is None and not (refcount(src) and refcount(dst)):
-            bad = f"the pending copy-on-write {(src, dst)} names a free block"
-        else:
-            continue
-        raise PagedLearnError(
-            f"{what}: {bad}, which runs after the swap copies: apply pop_copies() first"
-        )

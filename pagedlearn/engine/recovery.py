@@ -59,7 +59,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pagedlearn.core.kv_cache_manager import uncache_free_blocks
 from pagedlearn.engine.outputs import fail
 from pagedlearn.engine.request import Request, RequestOutput, RequestStatus
 from pagedlearn.engine.scheduler import SchedulerOutput
@@ -273,11 +272,11 @@ def _forget_free_cached_blocks(kv, seq_id: str, reason: str) -> None:
     the forward writes their K/V (so that a request admitted in the same step can share it). A
     step that stopped before its forward finished leaves such blocks registered with no KV;
     they belonged to the requests just freed, so they are free now -- and a later prompt would
-    hit them. So the free ones lose their entries (:func:`uncache_free_blocks`; ``evict``
+    hit them. So the free ones lose their entries (``KVCachePool.uncache_free_blocks``; ``evict``
     events, for the trace), while blocks in use keep theirs (their KV was written by earlier
     steps).
     """
-    for b, block_hash in uncache_free_blocks(kv.allocator, kv.prefix_cache):
+    for b, block_hash in kv.pool.uncache_free_blocks():
         kv.trace.emit("evict", (b,), (seq_id,), hash=block_hash.hex(), reason=reason)
 
 

@@ -135,7 +135,7 @@ class SchedulerOutput:
         for seq, r in zip(req.seqs, reused, strict=True):
             n = kv.num_tokens(seq.seq_id)
             planned = ScheduledSequence(
-                req, seq, r, seq.token_ids[r:n], kv.slots(seq.seq_id, r),
+                req, seq, r, seq.token_ids[r:n], kv.slot_mappings(seq.seq_id, r),
                 kv.block_tables(seq.seq_id), is_prefill=True, samples=n == len(seq.token_ids),
             )  # fmt: skip
             self.scheduled.append(planned)
@@ -199,7 +199,7 @@ class SchedulerOutput:
             tables = kv.block_tables(seq.seq_id)
             # One KV-cache group (the common case): the slots append_token returned are all
             # there is; with several, the manager gives each group's.
-            slots = [slots] if len(tables) == 1 else kv.slots(seq.seq_id, start)
+            slots = [slots] if len(tables) == 1 else kv.slot_mappings(seq.seq_id, start)
             planned = ScheduledSequence(
                 req, seq, start, new, slots, tables,
                 is_prefill=start < seq.num_prompt_tokens or chunk > 1,

@@ -33,7 +33,7 @@ Rules worth knowing:
   evicted, which LRU takes first since the window freed them first.
 - ``block_table(seq_id)``, ``slot_mapping(seq_id)`` and ``append_token``'s return value are
   group 0's (the full-attention group, when there is one): code written for GPT-2 still reads
-  something true. ``block_tables`` and ``slots`` give every group's.
+  something true. ``block_tables`` and ``slot_mappings`` give every group's.
 - The trace names a sequence's table in group ``g`` ``"<seq id>|<g>"`` (block_events.py).
 """
 
@@ -42,9 +42,9 @@ from __future__ import annotations
 from collections.abc import Hashable, Iterable, Sequence
 from typing import Any
 
-from pagedlearn.core import swap
 from pagedlearn.core.invariants import check_invariants
 from pagedlearn.core.kv_cache_manager import KVCacheManager
+from pagedlearn.core.kv_cache_pool import KVCachePool
 from pagedlearn.core.prefix_cache import make_extra_keys
 from pagedlearn.core.sequence_tables import SequenceTables, check_tokens, id_list
 from pagedlearn.errors import OutOfBlocksError, PagedLearnError
@@ -80,26 +80,21 @@ class KVCacheCoordinator:
         if not groups:
             raise PagedLearnError("a KV-cache coordinator needs at least one KV-cache group")
         self.groups = list(groups)
+        # One pool for every group: one allocator, prefix cache, swap space, trace, copy list.
+        self.pool = KVCachePool(num_blocks, num_cpu_blocks, enable_prefix_caching)
         self.managers: list[KVCacheManager] = []
         for g in self.groups:
-            shared = {
-                "enable_prefix_caching": enable_prefix_caching,
-                "model_id": (model_id, g.name),  # in every block hash: groups never share KV
-                "num_cpu_blocks": num_cpu_blocks,
-                "share_pool_of": self.managers[0] if self.managers else None,
-                "group": g.name,
-            }
+            # The group's name is in every block hash (model_id): groups never share KV.
+            shared = {"model_id": (model_id, g.name), "pool": self.pool, "group": g.name}
             if g.sliding_window is None:
                 m = KVCacheManager(num_blocks, block_size, **shared)
             else:
                 m = SlidingWindowManager(num_blocks, block_size, g.sliding_window, **shared)
             self.managers.append(m)
-        first = self.managers[0]
         self.block_size, self._model_id = block_size, model_id
-        self.enable_prefix_caching = enable_prefix_caching
         self.has_sliding_window = any(g.is_sliding for g in self.groups)
-        self.allocator, self.cpu_allocator = first.allocator, first.cpu_allocator
-        self.prefix_cache, self.trace = first.prefix_cache, first.trace
+        self.allocator, self.cpu_allocator = self.pool.allocator, self.pool.swap.cpu_allocator
+        self.prefix_cache, self.trace = self.pool.prefix_cache, self.pool.trace
         self._marker = StepMarker()
         # str(seq id) -> seq id: the trace names tables "<seq id>|<group>", so 3 and "3" must
         # not both be in use (their tables would share a name).
@@ -151,7 +146,7 @@ class KVCacheCoordinator:
         return len(found[0][2]) * self.block_size
 
     def append_token(self, seq_id: Hashable, token_id: int) -> int:
-        """Append to every group's table; returns group 0's slot (``slots`` gives them all)."""
+        """Append to every group's table; returns group 0's slot (``slot_mappings`` gives all)."""
         # Each group takes one block at most (a new one, or a copy): with that many free, every
         # group fits, and the exact count (which walks the tables) is not needed.
         if self.allocator.num_free_blocks < len(self.managers):
@@ -203,7 +198,7 @@ class KVCacheCoordinator:
         for s in ids:
             self.managers[0]._seqs.on_gpu(s)
         reads = [{b for s in ids for b in m._seqs.gpu[s].live_blocks()} for m in self.managers]
-        swap.check_copy_order(self.managers[0], "swap_out", reads=set().union(*reads))
+        self.pool.swap.check_copy_order("swap_out", reads=set().union(*reads))
         need, cpu = sum(map(len, reads)), self.cpu_allocator
         if need > cpu.num_free_blocks:
             raise OutOfBlocksError(
@@ -214,7 +209,7 @@ class KVCacheCoordinator:
     def swap_in(self, seq_ids: Iterable[Hashable]) -> list[tuple[int, int]]:
         """Bring a swapped-out group back in every KV-cache group (all or nothing)."""
         ids = id_list(seq_ids, "swap_in")
-        swap.check_copy_order(self.managers[0], "swap_in")
+        self.pool.swap.check_copy_order("swap_in")
         self._fits(self.blocks_to_swap_in(ids), f"swap_in({ids!r})", count=False)
         return [c for m in self.managers for c in m.swap_in(ids)]
 
@@ -226,12 +221,12 @@ class KVCacheCoordinator:
         """The sequence's table in each group, in group order (what attention reads)."""
         return [m.block_table(seq_id) for m in self.managers]
 
-    def slot_mapping(self, seq_id: Hashable) -> list[int]:
-        return self.managers[0].slot_mapping(seq_id)
+    def slot_mapping(self, seq_id: Hashable, start: int = 0) -> list[int]:
+        return self.managers[0].slot_mapping(seq_id, start)
 
-    def slots(self, seq_id: Hashable, start: int = 0) -> list[list[int]]:
+    def slot_mappings(self, seq_id: Hashable, start: int = 0) -> list[list[int]]:
         """The slots of positions ``start..`` in each group (-1 where a window freed the block)."""
-        return [m.slots(seq_id, start)[0] for m in self.managers]
+        return [m.slot_mapping(seq_id, start) for m in self.managers]
 
     def blocks_needed(self, num_tokens: int) -> int:
         """Blocks a new sequence of ``num_tokens`` tokens takes: a table's worth per group."""

@@ -8,7 +8,8 @@ You write the heart of chapter 02 (``02_block_tables_and_the_allocator``):
   of the free queue: a prefix-cache hit) and ``free`` (one reference less; at 0 the block joins
   the back of its queue). An operation that raises leaves the pool exactly as it was.
 - ``table`` -- the slot arithmetic of :class:`~pagedlearn.core.block_table.BlockTable`:
-  ``blocks_needed`` (a ceiling), ``slot`` and ``slot_mapping``.
+  ``blocks_needed`` (a ceiling), ``slot`` and ``slot_mapping`` (from a position on, -1 where a
+  sliding window freed the block: the engine asks it for every step's new tokens).
 
 What the checks look at. Your pool and the reference's are driven by the same calls; after
 each one they are compared on what the call returned (or the kind of error it raised), the
@@ -63,7 +64,9 @@ LAB = Lab(
                 "(round up)",
                 "BlockTable.slot": "return the KV-slab row of token position i (physical block "
                 "* block_size + offset); IndexError outside 0..num_tokens-1",
-                "BlockTable.slot_mapping": "return the slot of every token position, in order",
+                "BlockTable.slot_mapping": "return the slot of every token position from "
+                "start on, in order; -1 (NULL_BLOCK) where the table's entry is NULL_BLOCK; "
+                "IndexError for a negative start",
             },
         ),
     ),
@@ -290,6 +293,8 @@ def _check_slots(sub, bs: int, ids: list[int], n: int) -> None:
     name = _describe(bs, ids, n)
     table = _ask(name, "__init__", _table, sub, bs, ids, n)
     for i in range(n):
+        if ids[i // bs] == -1:  # freed by a sliding window: no slot to compute
+            continue
         try:
             want, got = ids[i // bs] * bs + i % bs, _ask(name, f"slot({i})", table.slot, i)
         except IndexError as e:
@@ -310,13 +315,20 @@ def _check_slots(sub, bs: int, ids: list[int], n: int) -> None:
             f"{name}.slot({i}) should raise IndexError (positions run 0..{n - 1}); yours "
             f"returned {got!r}"
         )
-    want = [ids[i // bs] * bs + i % bs for i in range(n)]
+    want = [-1 if ids[i // bs] == -1 else ids[i // bs] * bs + i % bs for i in range(n)]
+    for start in sorted({0, 1, bs, n // 2, n - 1, n} & set(range(n + 1))):
+        call = f"slot_mapping({start})" if start else "slot_mapping()"
+        try:
+            got = _ask(name, call, table.slot_mapping, start)
+        except IndexError as e:
+            raise crashed([f"{name}.{call}"], e) from e
+        if got != want[start:]:
+            raise CheckFailed(f"{name}.{call} should be {want[start:]}; yours is {got!r}")
     try:
-        got = _ask(name, "slot_mapping()", table.slot_mapping)
-    except IndexError as e:
-        raise crashed([f"{name}.slot_mapping()"], e) from e
-    if got != want:
-        raise CheckFailed(f"{name}.slot_mapping() should be {want}; yours is {got!r}")
+        got = _ask(name, "slot_mapping(-1)", table.slot_mapping, -1)
+    except IndexError:
+        return
+    raise CheckFailed(f"{name}.slot_mapping(-1) should raise IndexError; yours returned {got!r}")
 
 
 @LAB.check("table", points=2)
@@ -324,6 +336,7 @@ def slot_is_block_times_block_size_plus_offset(sub):
     _check_slots(sub, 4, [7, 2, 11], 10)  # the chapter's example: slot(5) == 9
     _check_slots(sub, 1, [3, 0, 2], 3)
     _check_slots(sub, 3, [0, 5], 6)
+    _check_slots(sub, 4, [-1, -1, 11], 10)  # a sliding window freed the first two blocks
 
 
 @LAB.check("table", points=2, timeout_s=20)
