@@ -13,8 +13,10 @@ KV cache manager). It owns
   (trace/events.py; block_events.py emits them).
 
 It never touches a tensor. It answers "where does token i's K/V go?" (``append_token`` returns a
-slot; ``slot_mapping`` gives all of them) and "which blocks must be copied before the next kernel
-runs?" (``pop_copies``, ``swap_out``, ``swap_in``); the engine applies those to the KV tensors.
+slot) and "which blocks must be copied before the next kernel runs?" (``pop_copies``,
+``swap_out``, ``swap_in``); the engine applies those to the KV tensors. This file holds what
+changes blocks; the questions that change nothing (``block_table``, ``slot_mapping``,
+``num_tokens``, ``stats``...) it inherits from :class:`KVCacheQueries` (kv_cache_queries.py).
 
 Rules worth knowing:
 
@@ -44,20 +46,19 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Hashable, Iterable
-from typing import Any
 
 from pagedlearn.core.block_allocator import BlockAllocator
 from pagedlearn.core.block_table import NULL_BLOCK, BlockTable
-from pagedlearn.core.invariants import check_invariants
 from pagedlearn.core.kv_cache_pool import KVCachePool
+from pagedlearn.core.kv_cache_queries import KVCacheQueries
 from pagedlearn.core.prefix_cache import ROOT_HASH, PrefixCache, make_extra_keys, parent_hash
 from pagedlearn.core.sequence_tables import SequenceTables, check_token, check_tokens, id_list
 from pagedlearn.errors import OutOfBlocksError, PagedLearnError
 from pagedlearn.trace.block_events import BlockEvents
-from pagedlearn.trace.events import EventLog, StepMarker
+from pagedlearn.trace.events import StepMarker
 
 
-class KVCacheManager:
+class KVCacheManager(KVCacheQueries):
     """Paged KV-cache bookkeeping for many sequences sharing one pool of ``num_blocks`` blocks.
 
     >>> kv = KVCacheManager(num_blocks=8, block_size=4)
@@ -242,21 +243,6 @@ class KVCacheManager:
         self._seqs.add(child_id, prefix, self._seqs.extra_keys[parent_id])
         self._events.incref(parent_id, child_id, prefix.live_blocks(), prefix=k)
 
-    def check_fork_prefix(self, parent_id: Hashable, child_id: Hashable, num_tokens: int) -> None:
-        """Raise :class:`PagedLearnError` if ``fork_prefix`` would refuse (changes nothing)."""
-        source, bs, n = self._seqs.on_gpu(parent_id), self.block_size, num_tokens
-        self._seqs.check_new(child_id)  # a new id, before anything changes
-        if (
-            not isinstance(n, int)
-            or isinstance(n, bool)
-            or n % bs
-            or not 0 <= n <= source.num_tokens
-        ):
-            raise PagedLearnError(
-                f"fork_prefix({parent_id!r}, {child_id!r}, {n!r}): num_tokens must be a multiple "
-                f"of block_size {bs} between 0 and the parent's {source.num_tokens} tokens"
-            )
-
     def free_sequence(self, seq_id: Hashable) -> None:
         """Return a finished (or aborted) sequence's blocks. Cached blocks stay findable until
         evicted. A swapped-out sequence gives back its CPU blocks."""
@@ -305,7 +291,7 @@ class KVCacheManager:
             return 0
         return len(self.pool.drop_free_cached_blocks())
 
-    # --- swapping (swap.py: the rules, the copy order, the code) -----------------------------
+    # --- swapping (swap.py: the rules, the copy order, the code) -------------------------------
     def swap_out(self, seq_ids: Iterable[Hashable]) -> list[tuple[int, int]]:
         """Move a group of sequences (the samples of one request) to the CPU pool; returns the
         ``(gpu_block, cpu_block)`` copies to apply first (:meth:`SwapSpace.swap_out`)."""
@@ -321,76 +307,7 @@ class KVCacheManager:
         self._counters["swap_in_blocks"] += len(copies)
         return copies
 
-    def blocks_to_swap_in(self, seq_ids: Iterable[Hashable]) -> int:
-        """GPU blocks ``swap_in(seq_ids)`` would allocate (see swap.py); changes nothing."""
-        return self.pool.swap.blocks_to_swap_in(self._seqs, seq_ids)
-
-    # --- queries -------------------------------------------------------------------------------
-    def block_table(self, seq_id: Hashable) -> list[int]:
-        try:  # a running sequence, asked every step: one dict lookup
-            return list(self._seqs.gpu[seq_id].block_ids)
-        except (KeyError, TypeError):
-            return list(self._seqs.on_gpu(seq_id).block_ids)  # raises, naming the problem
-
-    def slot_mapping(self, seq_id: Hashable, start: int = 0) -> list[int]:
-        """The slots of token positions ``start..`` (-1 where a window freed the block)."""
-        return self._seqs.on_gpu(seq_id).slot_mapping(start)
-
-    def block_tables(self, seq_id: Hashable) -> list[list[int]]:
-        """The sequence's block table in every KV-cache group: one here (the coordinator of a
-        hybrid model has one per group). What the model runner hands attention."""
-        return [self.block_table(seq_id)]
-
-    def slot_mappings(self, seq_id: Hashable, start: int = 0) -> list[list[int]]:
-        """:meth:`slot_mapping` in every KV-cache group (one here), as ``block_tables``."""
-        return [self._seqs.on_gpu(seq_id).slot_mapping(start)]
-
-    def min_blocks_to_run(self, num_tokens: int) -> int:
-        """The fewest blocks a sequence of ``num_tokens`` tokens can run in, its prompt
-        prefilled in chunks: all of them here (every query reads every earlier token); a
-        sliding-window group needs only its window's. A scheduler asks before it gives up on
-        a request that grew past the pool."""
-        return self.blocks_needed(num_tokens)
-
-    def blocks_needed(self, num_tokens: int) -> int:
-        """Blocks a new sequence of ``num_tokens`` tokens takes: ceil(num_tokens / block_size)
-        (the coordinator sums its groups). A scheduler asks it to size an admission."""
-        return self._sizer.blocks_needed(num_tokens)  # the table class's own rule
-
-    def token_ids(self, seq_id: Hashable) -> list[int]:
-        return list(self._seqs.table(seq_id).token_ids)  # swapped sequences too
-
-    def cached_prefix_tokens(
-        self, token_ids: Iterable[int], cache_salt: Hashable = None, adapter_id: Hashable = None
-    ) -> int:
-        """How many leading tokens ``add_sequence(..., token_ids)`` would reuse from the prefix
-        cache right now (0 without caching). Changes nothing: a scheduler asks it to size a
-        prefill chunk so that the chunk starts after the cached prefix."""
-        extra = make_extra_keys(self.model_id, adapter_id, cache_salt)
-        _, hits = self._find_prefix(check_tokens(token_ids), extra)
-        return len(hits) * self.block_size
-
-    def num_tokens(self, seq_id: Hashable) -> int:
-        """How many tokens the sequence holds KV slots for (O(1); swapped sequences too)."""
-        try:  # a running sequence, asked every step: one dict lookup
-            return len(self._seqs.gpu[seq_id].token_ids)
-        except (KeyError, TypeError):
-            return self._seqs.table(seq_id).num_tokens  # swapped out, or raises
-
-    def sequences(self) -> list[Hashable]:
-        """Ids of the sequences whose blocks are on the GPU (not the swapped-out ones)."""
-        return list(self._seqs.gpu)
-
-    def swapped_sequences(self) -> list[Hashable]:
-        """Ids of the swapped-out sequences (their KV is in the CPU pool)."""
-        return list(self._seqs.cpu)
-
-    def is_swapped(self, seq_id: Hashable) -> bool:
-        return self._seqs.is_swapped(seq_id)
-
-    def __contains__(self, seq_id: Hashable) -> bool:
-        return seq_id in self._seqs
-
+    # --- planning a step ------------------------------------------------------------------------
     def blocks_to_append(self, seq_ids: Iterable[Hashable]) -> int:
         """GPU blocks that appending one token to each of ``seq_ids``, in order, would allocate:
         new blocks plus copy-on-write copies. Changes nothing; a scheduler asks before a step.
@@ -423,49 +340,6 @@ class KVCacheManager:
         copies = sum(min(k, self.allocator.refcount(b) - 1) for b, k in writers.items())
         return new_blocks + copies
 
-    @property
-    def num_free_blocks(self) -> int:
-        return self.allocator.num_free_blocks
-
-    def stats(self) -> dict[str, Any]:
-        """Pool usage and counters, the numbers vLLM operators watch. ``num_seqs`` counts the
-        sequences on the GPU, ``swapped_seqs`` those on the CPU; ``swap_out_blocks`` and
-        ``swap_in_blocks`` count the blocks copied so far in each direction."""
-        a, cpu = self.allocator, self.cpu_allocator
-        return {
-            "num_blocks": a.num_blocks,
-            "block_size": self.block_size,
-            "num_seqs": len(self._seqs.gpu),
-            "swapped_seqs": len(self._seqs.cpu),
-            "cpu_blocks": cpu.num_blocks if cpu else 0,
-            "cpu_used_blocks": cpu.num_blocks - cpu.num_free_blocks if cpu else 0,
-            "used_blocks": a.num_blocks - a.num_free_blocks,
-            "free_blocks": a.num_free_blocks,
-            "cached_blocks": a.num_cached_free_blocks,  # free, but holding a reusable prefix
-            "shared_blocks": a.num_shared_blocks,  # refcount > 1
-            **self._counters,
-            "evictions": a.num_evictions,
-        }
-
-    def record(self) -> EventLog:
-        """Start recording every block event (for replay, JSON export, pictures)."""
-        meta = {"num_blocks": self.allocator.num_blocks, "block_size": self.block_size}
-        if self.cpu_allocator is not None:
-            meta["num_cpu_blocks"] = self.cpu_allocator.num_blocks
-        return EventLog(self.trace, meta=meta)
-
-    def mark_step(self, **info) -> None:
-        """Emit a ``step`` event: a frame for replays and live views, with every sequence's
-        token count, its new tokens since the last mark, and ``info`` (JSON-able values).
-        The engine marks after each step; a lab driving the manager by hand may mark too."""
-        self._marker.mark(self.trace, self._seqs.all(), info)
-
-    def check_invariants(self) -> None:
-        """Raise :class:`PagedLearnError` naming the first broken invariant (see invariants.py)."""
-        check_invariants(
-            self._seqs, self.allocator, self.cpu_allocator, self.prefix_cache, self.block_size
-        )
-
     # --- internals (swap_in hands _allocate and _index_blocks to the swap space) ----------------
     def _allocate(self, n: int, seq_id: Hashable, what: str = "") -> list[int]:
         """``n`` fresh GPU blocks for ``seq_id``'s new data (``what`` names the request in an
@@ -481,17 +355,6 @@ class KVCacheManager:
                 if (block_hash := self.prefix_cache.evict(b)) is not None:  # it was cached
                     self._events.evict(seq_id, b, block_hash)
         return blocks
-
-    def _find_prefix(
-        self, tokens: list[int], extra: tuple, limit: int | None = None
-    ) -> tuple[list[bytes], list[int]]:
-        """The hashes of the prompt's full blocks and the cached blocks that hold its longest
-        prefix, never all of it (see ``PrefixCache.match``), at most ``limit`` of them;
-        ``[], []`` without caching."""
-        if self.prefix_cache is None:
-            return [], []
-        hashes, hits = self.prefix_cache.match(tokens, self.block_size, extra)
-        return hashes, hits if limit is None else hits[:limit]
 
     def _cache_full_block(self, seq_id: Hashable, table: BlockTable) -> None:
         """The last block of ``table`` just filled up: hash it (chained on the block before) and
