@@ -118,11 +118,10 @@ class KVCacheManager(KVCacheManager):  # the class so far, with these methods yo
         self._events.incref(parent_id, child_id, blocks)
 
     def free_sequence(self, seq_id: Hashable) -> None:
-        """Return a finished (or aborted) sequence's blocks. Cached blocks stay findable until
-        evicted. A swapped-out sequence gives back its CPU blocks."""
+        """Free a finished or aborted sequence's GPU or CPU blocks; cached ones stay findable."""
         on_cpu = self._seqs.is_swapped(seq_id)
-        # Tail first: the tail of a sequence is the least likely to be shared, so it should be
-        # the first evicted -- freeing it first puts it nearer the front of the LRU queue.
+        # Tail first: a tail is the least likely to be shared, so it should be evicted first --
+        # freeing it first puts it nearer the front of the LRU queue.
         blocks = self._seqs.table(seq_id).live_blocks()[::-1]
         (self.cpu_allocator if on_cpu else self.allocator).free(blocks)
         self._events.free(seq_id, blocks, cpu=on_cpu)
@@ -162,13 +161,9 @@ check("fork")
 # Exercise 'cow': Append a token: fill the block, take a new one, or copy on write
 class KVCacheManager(KVCacheManager):  # the class so far, with these methods yours
     def append_token(self, seq_id: Hashable, token_id: int) -> int:
-        """Add one generated token; returns the slot where its K/V must be written.
-
-        Allocates a block on a block boundary; copies on write if the last block is shared.
-        """
-        # The engine calls this for every running sequence in every step, so the common case
-        # calls no helper: ``self._seqs.on_gpu``, ``check_token`` and ``table.slot(pos)``
-        # are inlined (each still runs where the fast check fails, to name the problem).
+        """Add one generated token; returns the slot where its K/V must be written. Allocates a
+        block on a block boundary; copies on write if the last block is shared."""
+        # Every step, every sequence: on_gpu, check_token and slot() are inlined (run on a problem).
         try:
             table = self._seqs.gpu[seq_id]  # a running sequence: the common case
         except (KeyError, TypeError):
@@ -222,13 +217,10 @@ check("cow")
 # Exercise 'plan': How many blocks the next step needs
 class KVCacheManager(KVCacheManager):  # the class so far, with these methods yours
     def blocks_to_append(self, seq_ids: Iterable[Hashable]) -> int:
-        """GPU blocks that appending one token to each of ``seq_ids``, in order, would allocate:
-        new blocks plus copy-on-write copies. Changes nothing; a scheduler asks before a step.
-
-        A full last block needs a new one. A shared partial last block (refcount ``r > 1``)
-        needs a copy -- but when ``k`` of its sharers append, only ``min(k, r - 1)`` copy: each
-        copy drops one reference, and the last writer owns the block alone. An id listed twice
-        appends twice.
+        """GPU blocks that appending one token to each of ``seq_ids`` (an id listed twice appends
+        twice) would allocate; changes nothing. A full last block needs a new one. A shared partial
+        last block (refcount ``r > 1``) needs a copy -- but when ``k`` of its sharers append, only
+        ``min(k, r - 1)`` copy: each copy drops a reference, the last writer owns the block alone.
 
         >>> kv = KVCacheManager(num_blocks=8, block_size=4)
         >>> kv.add_sequence("a", [1, 2, 3, 4, 5, 6]); kv.fork("a", "b"); kv.fork("a", "c")
@@ -246,7 +238,6 @@ class KVCacheManager(KVCacheManager):  # the class so far, with these methods yo
         writers: Counter[int] = Counter()  # shared partial last block -> sequences writing into it
         for s, k in Counter(ids).items():  # s appends k tokens
             table = tables[s]
-            # Blocks that num_tokens + k tokens need, less those the sequence holds already.
             new_blocks += table.blocks_needed(table.num_tokens + k) - len(table.block_ids)
             if table.num_tokens % self.block_size:  # s's first token goes into its last block
                 writers[table.block_ids[-1]] += 1

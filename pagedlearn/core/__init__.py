@@ -14,7 +14,9 @@ token's K/V goes and which blocks must be copied. Read in this order:
 6. ``kv_cache_pool.py`` -- what a manager allocates from: the blocks, the prefix cache, the swap
    space, the pending copies and the trace, in one object.
 7. ``kv_cache_manager.py`` -- all of it together: add / append / fork with copy-on-write / free.
-8. ``invariants.py`` -- the rules that hold after every operation, each checked by number.
+8. ``kv_cache_queries.py`` -- the manager's read-only questions: block tables, slot mappings,
+   sizes, stats, the trace.
+9. ``invariants.py`` -- the rules that hold after every operation, each checked by number.
 
 After the core: ``engine/`` (the scheduler and ``LLM``: a model generating from this cache),
 ``models/`` (the cache plugged into Hugging Face models), ``attention/`` and ``kernels/`` (what

@@ -13,11 +13,10 @@ Example (the paper's Figure 6 spirit): block_size 4, block_ids [7, 2, 11], 10 to
 logical block 1 -> physical block 2, offset 1 -> slot 9. Token 9 sits in block 11 at offset 1,
 slot 45; slots 46 and 47 of block 11 are still empty.
 
-In a sliding-window KV-cache group (kv_cache_groups.py) the blocks a window has left behind go
-back to the pool, and their entries become ``NULL_BLOCK`` (-1): the table keeps its positions
-(logical block ``j`` still starts at token ``j * block_size``), attention never reads those
-entries, and their slots are -1 ("skip", ``slot_mapping``). Null entries only ever form the head
-of a table.
+In a sliding-window KV-cache group (hybrid/) the blocks a window has left behind go back to the
+pool, and their entries become ``NULL_BLOCK`` (-1): the table keeps its positions (logical block
+``j`` still starts at token ``j * block_size``), attention never reads those entries, and their
+slots are -1 ("skip", ``slot_mapping``). Null entries only ever form the head of a table.
 
 The table also remembers the token ids (the prefix cache hashes full blocks of them) and, when
 prefix caching is on, the hash of each full block so far (each hash chains on the previous one).

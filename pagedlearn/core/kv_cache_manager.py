@@ -1,45 +1,15 @@
-"""The KV-cache manager: block tables, sharing, copy-on-write, prefix caching and swapping.
+"""The KV-cache manager: what a serving engine's scheduler talks to (vLLM's block manager).
 
-This is what a serving engine's scheduler talks to (vLLM calls its version the block manager or
-KV cache manager). It owns
+It never touches a tensor: it answers "where does token i's K/V go?" (``append_token`` returns a
+slot) and "which blocks must be copied before the next kernel runs?" (``pop_copies``, ``swap_out``,
+``swap_in``); the engine applies those to the KV tensors. This file holds what changes blocks
+(add, append with copy-on-write, fork, free, swap); the questions that change nothing
+(``block_table``, ``slot_mapping``, ``stats``...) it inherits from :class:`KVCacheQueries`.
 
-- one :class:`BlockTable` per sequence (logical -> physical blocks, tokens, slots), kept in a
-  :class:`SequenceTables` that knows which are on the GPU and which are swapped out,
-- its :class:`KVCachePool` (kv_cache_pool.py), built from its arguments: a
-  :class:`BlockAllocator` (block_allocator.py: which physical blocks are free, refcounts), a
-  prefix cache when ``enable_prefix_caching`` (hash -> block for full blocks: the
-  :class:`PrefixCache` of prefix_cache.py), a CPU swap pool when ``num_cpu_blocks > 0``
-  (swap.py), the pending copies, and a :class:`Trace` that announces every block operation
-  (trace/events.py; block_events.py emits them).
-
-It never touches a tensor. It answers "where does token i's K/V go?" (``append_token`` returns a
-slot) and "which blocks must be copied before the next kernel runs?" (``pop_copies``,
-``swap_out``, ``swap_in``); the engine applies those to the KV tensors. This file holds what
-changes blocks; the questions that change nothing (``block_table``, ``slot_mapping``,
-``num_tokens``, ``stats``...) it inherits from :class:`KVCacheQueries` (kv_cache_queries.py).
-
-Rules worth knowing:
-
-- Blocks are allocated on demand, one per ``block_size`` tokens; at most the last block of a
-  sequence is partly empty.
-- ``fork`` shares every block (refcount +1). The first write into a *shared, partly filled* last
-  block copies it first (copy-on-write): a fresh block, a pending ``(src, dst)`` copy, one reference
-  less on ``src``. The sibling that writes next owns ``src`` alone and copies nothing.
-- With prefix caching, a prompt reuses cached full blocks from the start of the prompt, but never
-  all of it: at least one token must be computed to get logits, so (as in vLLM and nano-vllm) the
-  reused prefix is capped at ``len(prompt) - 1`` tokens, rounded down to whole blocks.
-- A free cached block stays findable until an allocation takes it for new data; then its hash is
-  forgotten and an ``evict`` event names the sequence that took it.
-- Any operation that raises leaves every table, refcount and cache entry as it was.
-
-Swapping (preemption by swap, the paper's section 4.5) is in swap.py: ``swap_out`` moves a
-request's samples to a CPU pool, ``swap_in`` brings them back, and the engine applies their copies
-in this order: swap-out, swap-in, copy-on-write. The rules that must hold after every operation
-are checked in invariants.py.
-
-A model that mixes sliding-window and full-attention layers runs one manager per KV-cache group
-over one pool (hybrid/: the coordinator, and a sliding group's manager, whose
-``remove_skipped_blocks`` frees the blocks its window has left behind; a no-op here).
+Copy-on-write: ``fork`` shares every block (refcount +1). The first write into a *shared, partly
+filled* last block copies it first: a fresh block, a pending ``(src, dst)`` copy, one reference
+less on ``src``. The sibling that writes next owns ``src`` alone and copies nothing. Any operation
+that raises leaves every table, refcount and cache entry as it was.
 """
 
 from __future__ import annotations
@@ -70,15 +40,9 @@ class KVCacheManager(KVCacheQueries):
     9
     >>> kv.pop_copies()                               # the engine copies block 1 -> block 2
     [(1, 2)]
-
-    With ``num_cpu_blocks``, a request's samples can be swapped out together and back in
-    (``swap_out``, ``swap_in``: see swap.py).
-
-    The parts it is built from are class attributes, so that a subclass can swap in its own --
-    the labs run a real model on a student's allocator, block table and prefix cache this way
-    (``LLM(..., kv_cache_manager=...)``, see :mod:`pagedlearn.labs.plug`).
     """
 
+    # Its parts, as class attributes: the labs plug a student's in (labs/plug.py).
     allocator_class = BlockAllocator
     block_table_class = BlockTable
     prefix_cache_class = PrefixCache
@@ -96,9 +60,7 @@ class KVCacheManager(KVCacheQueries):
         pool: KVCachePool | None = None,
         group: str | None = None,
     ) -> None:
-        """A manager over its own pool of ``num_blocks`` GPU blocks (and ``num_cpu_blocks`` CPU
-        ones). hybrid/'s coordinator hands every KV-cache group's manager one shared ``pool``,
-        built from the same arguments, and the ``group`` name its events carry."""
+        """Its own pool of blocks, or the ``pool`` hybrid/'s coordinator shares, named ``group``."""
         if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
             raise PagedLearnError(f"block_size must be a positive int, got {block_size!r}")
         self.block_size = block_size
@@ -141,8 +103,8 @@ class KVCacheManager(KVCacheQueries):
         adapter_id: Hashable = None,
     ) -> int:
         """Give a new sequence blocks for its prompt; returns how many prompt tokens reuse cached
-        KV (their prefill can be skipped). Raises :class:`OutOfBlocksError`, changing nothing,
-        when the pool cannot hold the prompt."""
+        KV (whole blocks, never the last token: ``PrefixCache.match``), whose prefill can be
+        skipped. :class:`OutOfBlocksError`, changing nothing, if the prompt does not fit."""
         self._seqs.check_new(seq_id)
         tokens = check_tokens(token_ids)
         extra = make_extra_keys(self.model_id, adapter_id, cache_salt)
@@ -152,8 +114,8 @@ class KVCacheManager(KVCacheQueries):
     def _add_found(
         self, seq_id: Hashable, tokens: list[int], extra: tuple, hashes: list, hits: list[int]
     ) -> int:
-        """:meth:`add_sequence` once the prompt's prefix-cache ``hits`` are known (the
-        coordinator finds them for every group first, so that all groups reuse as many)."""
+        """:meth:`add_sequence` once ``hits`` are known (the coordinator finds every group's
+        first, so that all groups reuse as many)."""
         bs = self.block_size
         # Hits that sit in the free queue are taken out of it, so they count against free space.
         # (A sliding group's hits may start with NULL_BLOCK entries: blocks its window skips.)
@@ -185,13 +147,9 @@ class KVCacheManager(KVCacheQueries):
         return len(hits) * bs
 
     def append_token(self, seq_id: Hashable, token_id: int) -> int:
-        """Add one generated token; returns the slot where its K/V must be written.
-
-        Allocates a block on a block boundary; copies on write if the last block is shared.
-        """
-        # The engine calls this for every running sequence in every step, so the common case
-        # calls no helper: ``self._seqs.on_gpu``, ``check_token`` and ``table.slot(pos)``
-        # are inlined (each still runs where the fast check fails, to name the problem).
+        """Add one generated token; returns the slot where its K/V must be written. Allocates a
+        block on a block boundary; copies on write if the last block is shared."""
+        # Every step, every sequence: on_gpu, check_token and slot() are inlined (run on a problem).
         try:
             table = self._seqs.gpu[seq_id]  # a running sequence: the common case
         except (KeyError, TypeError):
@@ -226,13 +184,10 @@ class KVCacheManager(KVCacheQueries):
         self._events.incref(parent_id, child_id, blocks)
 
     def fork_prefix(self, parent_id: Hashable, child_id: Hashable, num_tokens: int) -> None:
-        """Make ``child_id`` share only the first ``num_tokens`` tokens of ``parent_id`` (whole
-        blocks: a multiple of ``block_size``); the child then appends its own tokens. The
-        scheduler re-admits the samples of a request preempted by recompute this way, so that
-        they share their prompt's blocks again (:mod:`pagedlearn.engine.readmission`). Whole
-        blocks only, because a shared partly filled block would be copied on the child's first
-        write, before the forward pass has written the parent's part of it. Raises
-        :class:`PagedLearnError`, changing nothing, when it cannot share them."""
+        """Make ``child_id`` share the first ``num_tokens`` tokens (whole blocks) of ``parent_id``,
+        then append its own (refusals: :meth:`check_fork_prefix`); a recomputed request's samples
+        share their prompt again so (engine/readmission.py). Whole blocks: a shared partial block
+        would be copied on the child's first write, before the forward pass has written it."""
         self.check_fork_prefix(parent_id, child_id, num_tokens)
         source, bs, n = self._seqs.on_gpu(parent_id), self.block_size, num_tokens
         k = n // bs
@@ -244,42 +199,32 @@ class KVCacheManager(KVCacheQueries):
         self._events.incref(parent_id, child_id, prefix.live_blocks(), prefix=k)
 
     def free_sequence(self, seq_id: Hashable) -> None:
-        """Return a finished (or aborted) sequence's blocks. Cached blocks stay findable until
-        evicted. A swapped-out sequence gives back its CPU blocks."""
+        """Free a finished or aborted sequence's GPU or CPU blocks; cached ones stay findable."""
         on_cpu = self._seqs.is_swapped(seq_id)
-        # Tail first: the tail of a sequence is the least likely to be shared, so it should be
-        # the first evicted -- freeing it first puts it nearer the front of the LRU queue.
+        # Tail first: a tail is the least likely to be shared, so it should be evicted first --
+        # freeing it first puts it nearer the front of the LRU queue.
         blocks = self._seqs.table(seq_id).live_blocks()[::-1]
         (self.cpu_allocator if on_cpu else self.allocator).free(blocks)
         self._events.free(seq_id, blocks, cpu=on_cpu)
         self._seqs.remove(seq_id)
 
     def pop_copies(self) -> list[tuple[int, int]]:
-        """Pending copy-on-write copies ``(src, dst)``; apply them to the KV tensors before the
-        next attention call, after this step's swap copies (see the module docstring). Cleared on
-        read."""
+        """Pending copy-on-write copies ``(src, dst)``, cleared on read: apply them before the
+        next attention call, after this step's swap copies (swap.py says why)."""
         copies = list(self._copies)
         self._copies.clear()  # in place: the groups of a coordinator share this list
         return copies
 
     def remove_skipped_blocks(self, seq_id: Hashable, num_computed_tokens: int) -> int:
-        """Free the blocks that no query from position ``num_computed_tokens`` on will read
-        again; returns how many (vLLM's name). With full attention every query reads every
-        earlier token, so nothing is ever skipped: 0. A sliding-window group frees the blocks
-        its window has left behind (sliding_window_manager.py); the scheduler calls this for
-        every running sequence before it plans the sequence's next tokens."""
+        """Free the blocks no query from ``num_computed_tokens`` on reads again; returns how many
+        (vLLM's name): 0 with full attention (hybrid/sliding_window_manager.py frees a window's)."""
         self._seqs.on_gpu(seq_id)  # an unknown or swapped-out id raises, as elsewhere
         return 0
 
     def reset_prefix_cache(self) -> int:
-        """Forget every cached prefix (vLLM's name): afterwards no prompt hits a block cached
-        before, e.g. after the weights changed. Returns how many cached blocks were dropped and
-        emits one ``cache_reset`` event naming them (the views mark it).
-
-        Refused (:class:`PagedLearnError`, nothing changed) while any sequence holds blocks, on
-        the GPU or swapped out, as vLLM refuses: their blocks are in the cache too, and they
-        would go on registering blocks computed before the reset. Without prefix caching there
-        is nothing to drop: 0."""
+        """Forget every cached prefix (vLLM's name), e.g. after new weights; returns how many blocks
+        were dropped (a ``cache_reset`` event names them). Refused, as in vLLM, while a sequence
+        holds blocks: they are in the cache too, and would go on registering pre-reset blocks."""
         held = self.sequences() + self.swapped_sequences()
         if held:
             raise PagedLearnError(
@@ -293,15 +238,13 @@ class KVCacheManager(KVCacheQueries):
 
     # --- swapping (swap.py: the rules, the copy order, the code) -------------------------------
     def swap_out(self, seq_ids: Iterable[Hashable]) -> list[tuple[int, int]]:
-        """Move a group of sequences (the samples of one request) to the CPU pool; returns the
-        ``(gpu_block, cpu_block)`` copies to apply first (:meth:`SwapSpace.swap_out`)."""
+        """:meth:`SwapSpace.swap_out`: one request's samples to the CPU pool."""
         copies = self.pool.swap.swap_out(self._seqs, seq_ids, self._events)
         self._counters["swap_out_blocks"] += len(copies)
         return copies
 
     def swap_in(self, seq_ids: Iterable[Hashable]) -> list[tuple[int, int]]:
-        """Bring a swapped-out group back to the GPU; returns the ``(cpu_block, gpu_block)``
-        copies to apply after swap-out ones (:meth:`SwapSpace.swap_in`)."""
+        """:meth:`SwapSpace.swap_in`: a swapped-out group back to the GPU."""
         swap = self.pool.swap
         copies = swap.swap_in(self._seqs, seq_ids, self._events, self._allocate, self._index_blocks)
         self._counters["swap_in_blocks"] += len(copies)
@@ -309,13 +252,10 @@ class KVCacheManager(KVCacheQueries):
 
     # --- planning a step ------------------------------------------------------------------------
     def blocks_to_append(self, seq_ids: Iterable[Hashable]) -> int:
-        """GPU blocks that appending one token to each of ``seq_ids``, in order, would allocate:
-        new blocks plus copy-on-write copies. Changes nothing; a scheduler asks before a step.
-
-        A full last block needs a new one. A shared partial last block (refcount ``r > 1``)
-        needs a copy -- but when ``k`` of its sharers append, only ``min(k, r - 1)`` copy: each
-        copy drops one reference, and the last writer owns the block alone. An id listed twice
-        appends twice.
+        """GPU blocks that appending one token to each of ``seq_ids`` (an id listed twice appends
+        twice) would allocate; changes nothing. A full last block needs a new one. A shared partial
+        last block (refcount ``r > 1``) needs a copy -- but when ``k`` of its sharers append, only
+        ``min(k, r - 1)`` copy: each copy drops a reference, the last writer owns the block alone.
 
         >>> kv = KVCacheManager(num_blocks=8, block_size=4)
         >>> kv.add_sequence("a", [1, 2, 3, 4, 5, 6]); kv.fork("a", "b"); kv.fork("a", "c")
@@ -333,7 +273,6 @@ class KVCacheManager(KVCacheQueries):
         writers: Counter[int] = Counter()  # shared partial last block -> sequences writing into it
         for s, k in Counter(ids).items():  # s appends k tokens
             table = tables[s]
-            # Blocks that num_tokens + k tokens need, less those the sequence holds already.
             new_blocks += table.blocks_needed(table.num_tokens + k) - len(table.block_ids)
             if table.num_tokens % self.block_size:  # s's first token goes into its last block
                 writers[table.block_ids[-1]] += 1
@@ -342,9 +281,8 @@ class KVCacheManager(KVCacheQueries):
 
     # --- internals (swap_in hands _allocate and _index_blocks to the swap space) ----------------
     def _allocate(self, n: int, seq_id: Hashable, what: str = "") -> list[int]:
-        """``n`` fresh GPU blocks for ``seq_id``'s new data (``what`` names the request in an
-        :class:`OutOfBlocksError`). A free cached block taken here loses its prefix-cache entry:
-        the allocator hands out empty blocks first, cached ones least recently used first."""
+        """``n`` fresh GPU blocks for ``seq_id`` (``what`` names the request in an
+        :class:`OutOfBlocksError`). A cached one loses its entry: an ``evict`` event names it."""
         try:
             blocks = self.allocator.allocate(n)
         except OutOfBlocksError as e:
@@ -357,8 +295,7 @@ class KVCacheManager(KVCacheQueries):
         return blocks
 
     def _cache_full_block(self, seq_id: Hashable, table: BlockTable) -> None:
-        """The last block of ``table`` just filled up: hash it (chained on the block before) and
-        register it in the prefix cache, so that a later prompt can find it."""
+        """Hash ``table``'s just-filled last block (chained on the one before) and register it."""
         j = table.num_full_blocks - 1
         parent, extra = parent_hash(table.block_hashes, j), self._seqs.extra_keys[seq_id]
         table.block_hashes.append(
@@ -367,8 +304,7 @@ class KVCacheManager(KVCacheQueries):
         self._index_blocks(seq_id, table, start=j)
 
     def _index_blocks(self, seq_id: Hashable, table: BlockTable, start: int = 0) -> None:
-        """Register ``table``'s hashed full blocks from logical block ``start`` on in the prefix
-        cache, so that other requests find them (content indexed already keeps its block)."""
+        """Index ``table``'s hashed full blocks from logical block ``start`` on."""
         if self.prefix_cache is None:
             return
         extra, bs = self._seqs.extra_keys[seq_id], self.block_size

@@ -1,8 +1,6 @@
 """The pool a KV-cache manager allocates from: the blocks, and what goes with them.
 
-A :class:`~pagedlearn.core.kv_cache_manager.KVCacheManager` builds one for itself from its
-arguments: ``KVCacheManager(num_blocks=8, ...)`` is a manager over a pool of 8 GPU blocks. The pool
-holds
+``KVCacheManager(num_blocks=8, ...)`` builds a pool of 8 GPU blocks for itself. The pool holds
 
 - the GPU :class:`BlockAllocator` (block_allocator.py: the free queue, refcounts, lazy LRU),
 - the :class:`PrefixCache` (prefix_cache.py) when prefix caching is on, else None,
@@ -13,7 +11,7 @@ holds
 Why an object of its own: a model that mixes sliding-window and full-attention layers keeps one
 manager per KV-cache group, and all of them must draw on the same blocks, find the same cached
 prefixes and copy in one order. Its coordinator (hybrid/kv_cache_coordinator.py) builds one pool
-and hands it to every group's manager, as vLLM's coordinator hands its one ``BlockPool`` to each
+and hands it to every group's manager, as vLLM's coordinator hands its ``BlockPool`` to each
 ``SingleTypeKVCacheManager``.
 
 >>> pool = KVCachePool(num_blocks=4, num_cpu_blocks=2, enable_prefix_caching=True)
@@ -31,9 +29,8 @@ from pagedlearn.trace.events import Trace
 
 
 class KVCachePool:
-    """``num_blocks`` GPU blocks (and ``num_cpu_blocks`` CPU ones), with their prefix cache,
-    pending copies and trace. ``allocator_class`` and ``prefix_cache_class`` build the parts
-    (a lab plugs a student's in)."""
+    """``num_blocks`` GPU and ``num_cpu_blocks`` CPU blocks, with what goes with them;
+    ``allocator_class`` and ``prefix_cache_class`` build the parts (a lab plugs a student's in)."""
 
     def __init__(
         self,
@@ -56,11 +53,10 @@ class KVCachePool:
 
     def uncache_free_blocks(self) -> list[tuple[int, bytes]]:
         """Make every free cached block an empty one and forget its hash; returns ``(block,
-        hash)`` for each. Blocks in use keep their entries. An allocator forgets that a block is
-        cached only when it hands it out, so every free block is handed out and taken back, in
-        the same order (the allocator counts each cached one as an eviction). Emits nothing: the
-        caller says why (a reset, or engine/recovery.py dropping blocks whose K/V may never
-        have been written)."""
+        hash)`` for each (blocks in use keep theirs). An allocator forgets that a block is cached
+        only when it hands it out, so every free block is handed out and taken back, in the same
+        order (each cached one counts as an eviction). Emits nothing: the caller says why (a
+        reset, or engine/recovery.py dropping blocks whose K/V may never have been written)."""
         allocator = self.allocator
         if self.prefix_cache is None or not allocator.num_cached_free_blocks:
             return []
@@ -70,8 +66,8 @@ class KVCachePool:
         return dropped
 
     def drop_free_cached_blocks(self) -> list[int]:
-        """:meth:`uncache_free_blocks` for a reset: not an eviction, so not counted as one;
-        emits a ``cache_reset`` event naming the dropped blocks, and returns them."""
+        """:meth:`uncache_free_blocks` for a reset (not counted as evictions); emits a
+        ``cache_reset`` event naming the dropped blocks, and returns them."""
         dropped = [b for b, _ in self.uncache_free_blocks()]
         self.allocator.num_evictions -= len(dropped)
         self.trace.emit("cache_reset", tuple(dropped), ())

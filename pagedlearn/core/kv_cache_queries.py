@@ -1,26 +1,13 @@
-"""What the scheduler, the engine and the pictures ask the KV-cache manager: nothing here changes
+"""What the scheduler, the engine and the pictures ask a KV-cache manager: nothing here changes
 a block.
 
-:class:`~pagedlearn.core.kv_cache_manager.KVCacheManager` (kv_cache_manager.py) is the one class
-users build; it inherits these questions from :class:`KVCacheQueries`, so that its own file holds
-only what changes blocks -- add, append with copy-on-write, fork, free, swap -- and reads in one
-sitting. Read that file first; come here for the answers it gives:
-
-- *where*: ``block_table`` (a sequence's physical block ids), ``slot_mapping`` (the KV slab's row
-  of each token position: ``block_id * block_size + offset``), and ``block_tables`` /
-  ``slot_mappings``, the same for every KV-cache group (one here; hybrid/ has several);
-- *how much*: ``num_tokens``, ``blocks_needed`` (a new sequence's blocks),
-  ``min_blocks_to_run``, ``cached_prefix_tokens`` (a prompt's reusable prefix, right now),
-  ``blocks_to_swap_in``, ``num_free_blocks``; the scheduler sizes each step with these (and with
-  the manager's ``blocks_to_append``);
-- *who*: ``sequences``, ``swapped_sequences``, ``is_swapped``, ``seq_id in kv``;
-- *what happened*: ``stats`` (vLLM's operator numbers), ``record`` and ``mark_step`` (the event
-  trace the pictures replay), ``check_invariants`` (invariants.py's rules).
-
-The state they read is the manager's (set in its ``__init__``): ``_seqs`` (every sequence's
-:class:`~pagedlearn.core.block_table.BlockTable`, on the GPU or swapped out), ``block_size``,
-``allocator`` and ``cpu_allocator``, ``prefix_cache``, ``model_id``, ``pool``, ``trace`` and the
-counters.
+:class:`~pagedlearn.core.kv_cache_manager.KVCacheManager` inherits these questions, so that its
+own file holds only what changes blocks. They are: *where* (``block_table``, ``slot_mapping``:
+``block_id * block_size + offset`` per token; ``block_tables`` / ``slot_mappings`` for every
+KV-cache group), *how much* (``num_tokens``, ``blocks_needed``, ``min_blocks_to_run``,
+``cached_prefix_tokens``, ``blocks_to_swap_in``: the scheduler sizes each step with these and the
+manager's ``blocks_to_append``), *who* (``sequences``, ``swapped_sequences``, ``seq_id in kv``)
+and *what happened* (``stats``, ``record`` and ``mark_step`` for the trace, ``check_invariants``).
 """
 
 from __future__ import annotations
@@ -36,7 +23,8 @@ from pagedlearn.trace.events import EventLog
 
 
 class KVCacheQueries:
-    """The read-only half of :class:`~pagedlearn.core.kv_cache_manager.KVCacheManager`."""
+    """The read-only half of :class:`~pagedlearn.core.kv_cache_manager.KVCacheManager`, over the
+    state its ``__init__`` sets (``_seqs``, ``allocator``, ``prefix_cache``, ``pool``...)."""
 
     def block_table(self, seq_id: Hashable) -> list[int]:
         try:  # a running sequence, asked every step: one dict lookup
@@ -87,10 +75,9 @@ class KVCacheQueries:
         return self._sizer.blocks_needed(num_tokens)  # the table class's own rule
 
     def min_blocks_to_run(self, num_tokens: int) -> int:
-        """The fewest blocks a sequence of ``num_tokens`` tokens can run in, its prompt
-        prefilled in chunks: all of them here (every query reads every earlier token); a
-        sliding-window group needs only its window's. A scheduler asks before it gives up on
-        a request that grew past the pool."""
+        """The fewest blocks a sequence of ``num_tokens`` tokens can run in, prefilled in chunks:
+        all here (every query reads every earlier token), a sliding window's only. A scheduler
+        asks before it gives up on a request that grew past the pool."""
         return self.blocks_needed(num_tokens)
 
     def check_fork_prefix(self, parent_id: Hashable, child_id: Hashable, num_tokens: int) -> None:
@@ -138,9 +125,8 @@ class KVCacheQueries:
         return self.allocator.num_free_blocks
 
     def stats(self) -> dict[str, Any]:
-        """Pool usage and counters, the numbers vLLM operators watch. ``num_seqs`` counts the
-        sequences on the GPU, ``swapped_seqs`` those on the CPU; ``swap_out_blocks`` and
-        ``swap_in_blocks`` count the blocks copied so far in each direction."""
+        """Pool usage and counters, the numbers vLLM operators watch (``num_seqs``: on the GPU,
+        ``swapped_seqs``: on the CPU, ``swap_out_blocks`` / ``swap_in_blocks``: blocks copied)."""
         a, cpu = self.allocator, self.cpu_allocator
         return {
             "num_blocks": a.num_blocks,
@@ -165,9 +151,9 @@ class KVCacheQueries:
         return EventLog(self.trace, meta=meta)
 
     def mark_step(self, **info) -> None:
-        """Emit a ``step`` event: a frame for replays and live views, with every sequence's
-        token count, its new tokens since the last mark, and ``info`` (JSON-able values).
-        The engine marks after each step; a lab driving the manager by hand may mark too."""
+        """Emit a ``step`` event, a frame for replays and live views: every sequence's token
+        count, its new tokens since the last mark, and ``info`` (JSON-able). The engine marks
+        after each step; a lab driving the manager by hand may too."""
         self._marker.mark(self.trace, self._seqs.all(), info)
 
     def check_invariants(self) -> None:

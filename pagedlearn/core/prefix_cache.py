@@ -18,14 +18,8 @@ ints it is predictable, so crafted prompts could collide on purpose -- vLLM repl
 reason. Even so, a hit compares the stored parent hash, token ids and extra keys too, so a
 collision can only cost a miss, never hand back the wrong KV.
 
-Only full blocks are cached (a partial block is still being written). Cached blocks that no sequence
-uses stay in the pool's free queue until the allocator needs their space (see block_allocator.py).
-
-What a block's hash costs: SHA-256 over a block's tokens is cheap; the slowest part of
-``hash_block`` is ``repr`` of the extra keys (nested tuples), the same for every block of a
-sequence. So :func:`make_extra_keys` returns an :class:`ExtraKeys`, a tuple that computes its
-``repr`` once, and ``hash_block`` stays the plain definition below (it then takes about half
-the time per block).
+Only full blocks are cached (a partial block is still being written); a cached block no sequence
+uses stays findable in the allocator's free queue until it is evicted.
 
 This is the class the KV-cache manager runs on, and the one lab 3 asks you to write.
 """
@@ -71,9 +65,10 @@ def hash_blocks(token_ids: Sequence[int], block_size: int, extra_keys: tuple) ->
 
 
 class ExtraKeys(tuple):
-    """A tuple of extra keys that computes its ``repr`` once: ``hash_block`` serialises the extra
-    keys of every block with ``repr``, and a sequence hashes all its blocks with the same keys.
-    It equals, hashes and prints as the plain tuple (so its blocks' hashes are the same).
+    """A tuple of extra keys that computes its ``repr`` once. SHA-256 over a block's tokens is
+    cheap; the slowest part of ``hash_block`` is ``repr`` of the extra keys, the same for every
+    block of a sequence, so caching it halves the time per block and ``hash_block`` stays the
+    plain definition. It equals, hashes and prints as the plain tuple (same block hashes).
 
     >>> keys = make_extra_keys(model_id="gpt2")
     >>> keys == (("model", "gpt2"), ("adapter", None), ("salt", None))
@@ -99,9 +94,8 @@ def make_extra_keys(
 
 
 class CachedBlock(NamedTuple):
-    """What the cache remembers about one full block, to verify a hit beyond its hash.
-    (A ``NamedTuple``: immutable, read by field name, and cheap to build -- every full block
-    of every prompt makes one.)"""
+    """What the cache remembers about one full block, to verify a hit beyond its hash (a cheap
+    ``NamedTuple``: every full block of every prompt makes one)."""
 
     block_id: int
     parent_hash: bytes

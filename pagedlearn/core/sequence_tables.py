@@ -117,14 +117,12 @@ def id_list(seq_ids: Iterable[Hashable], what: str) -> list[Hashable]:
 def check_tokens(token_ids: Iterable[int]) -> list[int]:
     """Token ids as a new list of ints >= 0 (numpy / torch ints welcome); names a bad one.
 
-    The check runs at C speed: ``array("Q", tokens)`` refuses anything that is not an integer
-    (``__index__``) in ``0 .. 2**64 - 1``, instead of a Python loop over thousands of tokens.
-    What comes back is a list of plain ints: a tensor, an array, a range or a list whose
-    first or last id is not a plain int (``list(tensor)``, a list of numpy ints, of bools) is
-    converted (``values.tolist()``); a list whose first and last ids are plain ints -- what the
-    engine and a tokenizer hand in -- is copied as it is, so one numpy int hidden in the middle
-    of such a list stays one (it equals, packs and hashes like the int). Only when the fast
-    check refuses are the tokens walked one at a time, to say which position is wrong.
+    The check runs at C speed, not as a Python loop over thousands of tokens: ``array("Q",
+    tokens)`` refuses anything that is not an integer (``__index__``) in ``0 .. 2**64 - 1``;
+    only then are the tokens walked one at a time, to name the wrong position. A list whose
+    first and last ids are plain ints (what the engine and a tokenizer hand in) is copied as it
+    is -- a numpy int in its middle stays one, and equals, packs and hashes like the int; any
+    other input (a tensor, a range, a list of numpy ints or bools) is converted to plain ints.
 
     >>> check_tokens(range(3))
     [0, 1, 2]

@@ -4,12 +4,12 @@ When the GPU pool runs dry mid-generation, the scheduler must take blocks back f
 request. It can *recompute*: free the blocks and prefill the request again later. Or it can *swap*:
 copy the request's blocks to a pool in CPU memory, free the GPU blocks, and copy them back when
 there is room. The CPU pool is a second ``BlockAllocator`` of ``num_cpu_blocks`` blocks; a
-swapped-out sequence keeps its table (tokens, block hashes), whose ids now name CPU blocks. A
-request is swapped as a *group* (all its samples at once), so blocks its samples share after
-``fork`` are copied once and stay shared: a CPU block's refcount counts the swapped tables that
-point at it, as on the GPU. A block the group shares with another request (a prefix-cache hit)
-stays on the GPU for that request. A sliding window's null entries (block_table.py) move
-nowhere: they stay null in either pool.
+swapped-out sequence keeps its table (tokens, block hashes), whose ids then name CPU blocks
+(``SequenceTables.to_cpu`` / ``to_gpu`` move it). A request is swapped as a *group* (all its
+samples at once), so blocks its samples share after ``fork`` are copied once and stay shared: a
+CPU block's refcount counts the swapped tables that point at it, as on the GPU. A block the group
+shares with another request (a prefix-cache hit) stays on the GPU for that request. A sliding
+window's null entries (block_table.py) stay null in either pool.
 
 ``swap_out`` and ``swap_in`` copy nothing themselves: they return ``(src, dst)`` block pairs, and
 the engine moves the KV before the next forward pass, in this order: swap-out copies (GPU -> CPU),
@@ -31,12 +31,6 @@ copy-on-write is free (the swap-in could take it, and the later copy would read 
 (True, 4, 2)
 >>> kv.swap_in(["a", "b"])          # (cpu, gpu): new GPU blocks, shared by both again
 [(0, 2), (1, 3)]
-
-The manager's ``swap_out``, ``swap_in`` and ``blocks_to_swap_in`` call a :class:`SwapSpace`: the
-CPU pool, handed the GPU allocator and the pending copy-on-write list when it is built, and the
-asking manager's tables, event emitter and allocate function with each call (a hybrid model's
-KV-cache groups share one swap space, each with its own tables). Tables move between the GPU and
-the CPU side through ``SequenceTables.to_cpu`` / ``to_gpu``.
 """
 
 from __future__ import annotations
@@ -53,8 +47,9 @@ from pagedlearn.trace.block_events import BlockEvents
 
 class SwapSpace:
     """The CPU swap pool of one GPU pool: ``cpu_allocator`` (None: no swapping) beside the GPU
-    ``allocator``. ``pending_copies`` is the manager's list of copy-on-write copies, read (never
-    written) to refuse a swap whose copies would run in the wrong order."""
+    ``allocator``. ``pending_copies`` is the pool's copy-on-write list, read (never written) to
+    refuse a swap whose copies would run in the wrong order. Each call is handed the asking
+    manager's tables and event emitter (a hybrid model's groups share one swap space)."""
 
     def __init__(
         self,
@@ -70,13 +65,11 @@ class SwapSpace:
         self, seqs: SequenceTables, seq_ids: Iterable[Hashable], events: BlockEvents
     ) -> list[tuple[int, int]]:
         """Move a group of sequences (the samples of one request) to the CPU pool; returns the
-        ``(gpu_block, cpu_block)`` copies the engine applies first, before swap-in and
-        copy-on-write copies.
-
-        Each distinct GPU block of the group gets one CPU block, referenced once per group table
-        that points at it. The GPU blocks lose those references: blocks only the group used
-        become free (cached ones stay findable), blocks another sequence shares stay for it.
-        Raises :class:`OutOfBlocksError`, changing nothing, when the CPU pool lacks room.
+        ``(gpu_block, cpu_block)`` copies to apply. Each distinct GPU block of the group gets one
+        CPU block, referenced once per group table that points at it. The GPU blocks lose those
+        references: blocks only the group used become free (cached ones stay findable), blocks
+        another sequence shares stay for it. Raises :class:`OutOfBlocksError`, changing nothing,
+        when the CPU pool lacks room.
         """
         ids = self._group(seqs, seq_ids, swapped=False, what="swap_out")
         tables = [seqs.gpu[s] for s in ids]
@@ -106,15 +99,13 @@ class SwapSpace:
         allocate: Callable[[int, Hashable], list[int]],
         index_blocks: Callable[[Hashable, BlockTable], None],
     ) -> list[tuple[int, int]]:
-        """Bring a swapped-out group back to the GPU; returns the ``(cpu_block, gpu_block)``
-        copies the engine applies after this step's swap-out copies, before copy-on-write ones.
-
-        Each distinct CPU block gets one new GPU block from ``allocate(n, seq_id)`` (which may
-        evict cached blocks), shared again by the tables that shared it; the CPU blocks are
-        freed. ``index_blocks(seq_id, table)`` registers the group's full blocks in the prefix
-        cache again (unless the same content is already indexed). Raises
-        :class:`OutOfBlocksError`, changing nothing, when the GPU pool lacks room (ask
-        ``blocks_to_swap_in`` first; a failed swap is not counted in ``allocation_failures``).
+        """Bring a swapped-out group back to the GPU; returns the ``(cpu_block, gpu_block)`` copies
+        to apply. Each distinct CPU block gets one new GPU block from ``allocate(n, seq_id)`` (which
+        may evict cached blocks), shared again by the tables that shared it; the CPU blocks are
+        freed. ``index_blocks(seq_id, table)`` registers the group's full blocks in the prefix cache
+        again (unless the same content is already indexed). Raises :class:`OutOfBlocksError`,
+        changing nothing, when the GPU pool lacks room (ask ``blocks_to_swap_in`` first; a failed
+        swap is not counted in ``allocation_failures``).
         """
         ids = self._group(seqs, seq_ids, swapped=True, what="swap_in")
         self.check_copy_order("swap_in")
@@ -148,9 +139,7 @@ class SwapSpace:
 
     def check_copy_order(self, what: str, reads: Iterable[int] | None = None) -> None:
         """Refuse a swap whose copies, run before the pending copy-on-write ones, would move the
-        wrong KV: ``swap_out`` reading a block that waits for its copy, or ``swap_in`` while a
-        pending copy's block is free (swap_in could take it; the copy would then read or
-        overwrite the swapped-in KV)."""
+        wrong KV (the module docstring's two cases)."""
         refcount = self.allocator.refcount
         for src, dst in self.pending_copies:
             if reads is not None and dst in reads:
