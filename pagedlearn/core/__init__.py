@@ -1,4 +1,4 @@
-"""The core: PagedAttention's memory manager, to read first (paper section 4.1-4.4).
+"""The core: PagedAttention's memory manager, to read first (the paper's sections 4.2-4.5).
 
 It never touches a tensor: it hands out block ids, counts who shares them, and says where each
 token's K/V goes and which blocks must be copied. Read in this order:

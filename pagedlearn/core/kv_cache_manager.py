@@ -1,4 +1,4 @@
-"""The KV-cache manager: what a serving engine's scheduler talks to (vLLM's block manager).
+"""The KV-cache manager: what a serving engine's scheduler talks to (vLLM v1's KVCacheManager).
 
 It never touches a tensor: it answers "where does token i's K/V go?" (``append_token`` returns a
 slot) and "which blocks must be copied before the next kernel runs?" (``pop_copies``, ``swap_out``,
