@@ -36,29 +36,30 @@ GPU_DEFAULT_FRACTION = 0.4
 ATTENTION_BACKENDS = ("auto", "triton", "torch", "reference")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class EngineArgs:
-    """Everything ``LLM(...)`` was given; :meth:`create_engine` builds the engine from it."""
+    """Everything ``LLM(...)`` was given; :meth:`create_engine` builds the engine from it. No
+    field has a default: ``LLM``'s signature is the one place the defaults are written."""
 
-    model: object = "auto"
-    tokenizer: object = None
-    block_size: int = 16
-    num_blocks: int | None = None
-    kv_cache_memory: int | None = None
-    enable_prefix_caching: bool = True
-    preemption_mode: str = "recompute"
-    swap_blocks: int | None = None
-    attention_backend: str = "auto"
-    device: str = "auto"
-    dtype: object = None
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int | None = None
-    enable_chunked_prefill: bool = True
-    kv_reservation: str = "paged"
-    kv_cache_manager: object = None
-    verbose: bool = True
-    model_version: object = None
-    tensor_parallel_size: int = 1
+    model: object
+    tokenizer: object
+    block_size: int
+    num_blocks: int | None
+    kv_cache_memory: int | None
+    enable_prefix_caching: bool
+    preemption_mode: str
+    swap_blocks: int | None
+    attention_backend: str
+    device: str
+    dtype: object
+    max_num_seqs: int
+    max_num_batched_tokens: int | None
+    enable_chunked_prefill: bool
+    kv_reservation: str
+    kv_cache_manager: object
+    verbose: bool
+    model_version: object
+    tensor_parallel_size: int
 
     def __post_init__(self) -> None:
         _check_choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)

@@ -118,7 +118,7 @@ class LLM:
         tensor_parallel_size: int = 1,
     ) -> None:
         args = EngineArgs(
-            model,
+            model=model,
             tokenizer=tokenizer,
             block_size=block_size,
             num_blocks=num_blocks,
