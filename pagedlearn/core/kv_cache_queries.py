@@ -43,7 +43,7 @@ class KVCacheQueries:
 
     def slot_mappings(self, seq_id: Hashable, start: int = 0) -> list[list[int]]:
         """:meth:`slot_mapping` in every KV-cache group (one here), as ``block_tables``."""
-        return [self._seqs.on_gpu(seq_id).slot_mapping(start)]
+        return [self.slot_mapping(seq_id, start)]
 
     def token_ids(self, seq_id: Hashable) -> list[int]:
         return list(self._seqs.table(seq_id).token_ids)  # swapped sequences too
