@@ -92,7 +92,8 @@ def add_engine_options(parser: argparse.ArgumentParser, num_blocks_help: str) ->
         type=int_in(1),
         default=1,
         help="worker processes that each hold 1/N of every layer's heads and of every block "
-        "(the paper's section 4.6; N must divide the model's heads; on GPUs, one per worker)",
+        "(the paper's section 4.6; N must divide the model's KV heads -- SmolLM2: 3; on GPUs, "
+        "one per worker)",
     )
 
 

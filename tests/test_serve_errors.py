@@ -449,7 +449,8 @@ def test_serve_stops_on_sigterm_and_says_its_context(tmp_path):
     in a script): it says the context it serves, takes the key from $PAGEDLEARN_API_KEY, and
     SIGTERM stops it as Ctrl-C does (exit 0)."""
     env = {**os.environ, "PAGEDLEARN_API_KEY": "env-key"}
-    command = [sys.executable, "-m", "pagedlearn", "serve", "--port", "0", "--num-blocks", "4"]
+    command = [sys.executable, "-m", "pagedlearn", "serve", "--model", "tiny-gpt2", "--port", "0",
+               "--num-blocks", "4"]  # fmt: skip
     proc = subprocess.Popen(
         command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),

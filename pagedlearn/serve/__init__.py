@@ -109,7 +109,7 @@ class ServerHandle:
 
 
 def serve(
-    model="tiny-gpt2",
+    model="smollm2",
     *,
     host: str = "127.0.0.1",
     port: int = DEFAULT_PORT,
@@ -230,7 +230,10 @@ def add_arguments(parser) -> None:
     from pagedlearn.__main__ import add_engine_options, int_in
 
     parser.add_argument(
-        "--model", default="tiny-gpt2", help="tiny-gpt2 (offline), gpt2, facebook/opt-125m, a path"
+        "--model",
+        default="smollm2",
+        help="smollm2 (SmolLM2-135M-Instruct, offline: a real chat template), tiny-gpt2 (offline, "
+        "random weights), gpt2, facebook/opt-125m, a path",
     )
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: all)")
     port = int_in(0, 65535)
