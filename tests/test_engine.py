@@ -206,6 +206,50 @@ def test_beam_search_returns_sorted_beams_and_keeps_invariants():
     assert_pool_clean(llm)
 
 
+# Random weights never pick the real EOS; on this prompt the beams pick byte 213 from their 4th
+# token on, so calling it EOS makes some beams finish ("stop") while others go on.
+BEAM_EOS, BEAM_PROMPT = 213, "Hello there, you"
+
+
+def _beam_outputs(llm, params):
+    llm.engine.eos_token_id = BEAM_EOS
+    (out,) = llm.beam_search([BEAM_PROMPT], params, use_tqdm=False)
+    assert out.finished and [o.index for o in out.outputs] == list(range(len(out.outputs)))
+    scores = [params.score(o.cumulative_logprob, len(o.token_ids)) for o in out.outputs]
+    assert scores == sorted(scores, reverse=True)  # best first
+    assert_pool_clean(llm)
+    return out
+
+
+def test_a_beam_search_that_outgrows_the_pool_returns_its_best_beam_width_beams():
+    """Issue 30's quirk: beams that finished, then live beams that outgrew the pool, came back
+    together (2 "stop" + 3 "error" for beam width 3). Now: the 3 best of them, and the error."""
+    params = BeamSearchParams(beam_width=3, max_tokens=200)
+    out = _beam_outputs(make_llm(num_blocks=10), params)
+    assert out.error and "whole pool" in out.error
+    assert len(out.outputs) == 3
+    # ranked together: finished beams ("stop") and the live ones the failure cut short
+    assert {o.finish_reason for o in out.outputs} == {"stop", "error"}
+
+
+def test_an_aborted_beam_search_returns_at_most_beam_width_beams():
+    """Aborted after a beam finished: the finished and the aborted beams ranked together (it
+    used to return every finished beam plus the live ones)."""
+    llm = make_llm()
+    engine = llm.engine
+    engine.eos_token_id = BEAM_EOS
+    params = BeamSearchParams(beam_width=3, max_tokens=50)
+    engine.add_request("b", BEAM_PROMPT, params)
+    while not engine.requests["b"].done:  # until a beam has finished
+        engine.step()
+    out = engine.abort_request("b")
+    assert out.finished and len(out.outputs) == 3
+    assert {o.finish_reason for o in out.outputs} <= {"stop", "abort"}
+    assert "abort" in {o.finish_reason for o in out.outputs}
+    assert [o.index for o in out.outputs] == [0, 1, 2]
+    assert_pool_clean(llm)
+
+
 def test_abort_frees_blocks_at_once():
     llm = make_llm()
     engine = llm.engine

@@ -13,7 +13,15 @@ After a forward pass every live beam has a next-token distribution. The step
 
 It stops when ``max_tokens`` is reached or when ``beam_width`` finished beams exist and no live
 beam's current score beats the worst of them (the usual heuristic, as transformers'
-``early_stopping=False``). The result is the ``beam_width`` best finished beams, best first.
+``early_stopping=False``).
+
+**The result, however the search ends, is at most ``beam_width`` beams**
+(:func:`keep_best_beams`): the finished beams and the live ones together, ranked by the same
+length-penalised score, best first, as vLLM's ``beam_search`` ranks its completed and live beams.
+A live beam ends cut short, and its finish reason says why: "length" (``max_tokens``, the
+model's length, or no live beam can still win), "abort" (the request was aborted), "error" (the
+request failed -- e.g. its beams outgrew the whole pool -- and ``RequestOutput.error`` says why).
+So a failed beam search still hands back the best it found, next to the error.
 """
 
 from __future__ import annotations
@@ -79,11 +87,21 @@ def beam_step(
             kv.free_sequence(beam.seq_id)
             req.done.append(_finished(req, beam.token_ids, beam.cumulative_logprob, "length"))
         req.seqs = []
-    if not req.seqs:  # finished: keep the best beam_width, best first
-        req.done.sort(key=lambda s: -_score(req, s))
-        req.done = req.done[:width]
-        for rank, seq in enumerate(req.done):
-            seq.index = rank
+    if not req.seqs:
+        keep_best_beams(req)
+
+
+def keep_best_beams(req: Request) -> None:
+    """End a beam search: its live beams join the finished ones (each keeps its finish reason),
+    and only the ``beam_width`` best by score stay, best first (``index`` = rank). Called when the
+    search finishes here, and by ``outputs.finish`` when it ends otherwise (an abort, a failure),
+    so that a beam search never hands back more than ``beam_width`` beams."""
+    req.done.extend(req.seqs)
+    req.seqs = []
+    req.done.sort(key=lambda s: -_score(req, s))  # stable: ties keep their order
+    req.done = req.done[: req.params.beam_width]
+    for rank, seq in enumerate(req.done):
+        seq.index = rank
 
 
 def _score(req: Request, seq: Sequence) -> float:

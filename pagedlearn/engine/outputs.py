@@ -24,6 +24,7 @@ import functools
 import time
 from collections.abc import Sequence
 
+from pagedlearn.engine.beam_search import keep_best_beams
 from pagedlearn.engine.request import CompletionOutput, Request, RequestOutput, RequestStatus
 from pagedlearn.engine.scheduler import SchedulerOutput
 from pagedlearn.engine.stats import StepStats
@@ -66,8 +67,11 @@ def finish(engine, req: Request) -> RequestOutput:
     """Final output; the engine forgets the request (its id may be used again)."""
     del engine.requests[req.request_id]
     req.status = RequestStatus.FINISHED
-    req.done.extend(req.seqs)
-    req.seqs = []
+    if req.is_beam_search:  # aborted or failed mid-search: still at most beam_width beams
+        keep_best_beams(req)
+    else:
+        req.done.extend(req.seqs)
+        req.seqs = []
     req.metrics.finished_time = time.perf_counter()
     engine.num_finished += 1
     engine.metrics.observe_request(req)
