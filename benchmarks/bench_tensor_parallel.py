@@ -50,9 +50,9 @@ load average is printed at the start and the end, and each number's spread over 
 ``--device cuda`` needs N GPUs: one worker on each (NCCL), N = 1 on the first. It asserts
 nothing.
 
-Usage: python benchmarks/bench_tensor_parallel.py [--model tiny-gpt2|tiny-opt|gpt2-size-random]
-       [--sizes 1,2] [--batch 8] [--prompt-len 64] [--steps 32] [--repeats 3] [--threads T]
-       [--device cpu|cuda] [--quick] [--json PATH]
+Usage: python benchmarks/bench_tensor_parallel.py [--model tiny-gpt2|tiny-opt|gpt2-size-random|
+       smollm2] [--sizes 1,2 (smollm2: 1,3)] [--batch 8] [--prompt-len 64] [--steps 32]
+       [--repeats 3] [--threads T] [--device cpu|cuda] [--quick] [--json PATH]
 """
 
 from __future__ import annotations
@@ -322,7 +322,10 @@ def report(res: dict) -> None:
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="tiny-gpt2", help="tiny-gpt2|tiny-opt|gpt2-size-random")
+    parser.add_argument(
+        "--model", default="tiny-gpt2",
+        help="tiny-gpt2|tiny-opt|gpt2-size-random|smollm2 (3 KV heads: --sizes 1,3)",
+    )  # fmt: skip
     parser.add_argument("--sizes", default="1,2", help="tensor_parallel_size values, 1 first")
     parser.add_argument("--batch", type=int, default=8, help="sequences B")
     parser.add_argument("--prompt-len", type=int, default=64, help="prompt tokens P")

@@ -211,8 +211,8 @@ def test_a_size_that_does_not_divide_the_heads_is_refused_before_any_process_sta
     before = set(multiprocessing.active_children())
     with pytest.raises(PagedLearnError, match=r"must divide the model's attention heads \(4\)"):
         build(tp=3)
-    with pytest.raises(PagedLearnError, match="supports the model types"):
-        build("tiny-mistral", tp=2)
+    with pytest.raises(PagedLearnError, match=r"supports the model types \('gpt2', 'opt', 'llama'"):
+        build("tiny-gemma3", tp=2)  # q/k norms: a plan with another style (sharding.py)
     assert set(multiprocessing.active_children()) == before
 
 

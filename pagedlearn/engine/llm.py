@@ -47,11 +47,11 @@ from pagedlearn.errors import PagedLearnError
 
 
 class LLM:
-    """Serve a Hugging Face causal LM (GPT-2, OPT, ...) from a paged KV cache.
+    """Serve a Hugging Face causal LM (SmolLM2, GPT-2, OPT, ...) from a paged KV cache.
 
-    ``model``: anything :func:`pagedlearn.models.load` takes ("gpt2", "facebook/opt-125m",
-    "tiny-gpt2", "tiny-opt", "tiny-mistral", "tiny-gemma3", "auto", a local path, a
-    ``PreTrainedModel``), or what it returned.
+    ``model``: anything :func:`pagedlearn.models.load` takes ("smollm2" -- a real instruct
+    model, offline --, "gpt2", "facebook/opt-125m", "tiny-gpt2", "tiny-opt", "tiny-mistral",
+    "tiny-gemma3", "auto", a local path, a ``PreTrainedModel``), or what it returned.
     ``attention_backend``: "torch" (PyTorch's SDPA over the paged cache, planned once per step:
     :mod:`pagedlearn.attention.sdpa`, checked against the references in
     :mod:`pagedlearn.attention`), "triton" (the kernels; on a CPU only with ``TRITON_INTERPRET=1``
@@ -73,8 +73,9 @@ class LLM:
     ``tensor_parallel_size``: N > 1 starts N worker processes (vLLM's name; paper section
     4.6): each holds 1/N of every layer's heads and MLP columns and 1/N of every block's KV
     heads, while this process keeps the one scheduler and block manager
-    (:mod:`pagedlearn.parallel`). GPT-2 and OPT; N must divide their heads. On CPUs the
-    workers use gloo; with ``device="cuda"`` worker ``r`` runs on ``cuda:r`` (N GPUs needed).
+    (:mod:`pagedlearn.parallel`). GPT-2, OPT, Llama, Mistral, Qwen2; N must divide the KV
+    heads (SmolLM2: 3). On CPUs the workers use gloo; with ``device="cuda"`` worker ``r`` runs
+    on ``cuda:r`` (N GPUs needed).
     ``kv_cache_memory`` and the default budget are then per worker: each worker's slab holds
     1/N of every block, so the same budget holds N times the blocks. ``shutdown()`` stops the
     workers (garbage collection and interpreter exit do too); ``collective_rpc`` runs a
@@ -218,7 +219,8 @@ class LLM:
         self, prompts, params: BeamSearchParams, use_tqdm: bool = True, lora_request=None
     ) -> list[RequestOutput]:
         """Beam search for every prompt (as ``generate`` takes them, ``lora_request`` too);
-        each output holds ``beam_width`` beams, best first."""
+        each output holds at most ``beam_width`` beams, best first, however the search ends
+        (a search that fails says why in ``error``, and keeps the best beams it found)."""
         if not isinstance(params, BeamSearchParams):
             raise PagedLearnError(
                 f"beam_search needs BeamSearchParams, got {type(params).__name__}"

@@ -12,7 +12,9 @@ the same step (executor.py); copy-on-write and swaps go to every worker by block
     llm.collective_rpc("describe")      # per worker: pid, KV heads held, bytes of KV and weights
     llm.shutdown()                      # or let garbage collection / interpreter exit do it
 
-On CPUs the workers talk through gloo, on GPUs through NCCL (one GPU per worker).
+Models: GPT-2, OPT and the Llama architecture (Llama, Mistral, Qwen2; sharding.py says why
+these); N must divide the KV heads, so SmolLM2-135M (3 KV heads) runs on 3 workers, not 2. On
+CPUs the workers talk through gloo, on GPUs through NCCL (one GPU per worker).
 """
 
 from __future__ import annotations

@@ -252,9 +252,10 @@ class TensorParallelExecutor:
 
 
 # What a worker imports before it can do anything: a fork server imports them once, then forks
-# every worker from it (a second LLM's workers skip those imports).
+# every worker from it (a second LLM's workers skip those imports). Llama's: SmolLM2's.
 PRELOAD = ["pagedlearn.parallel.worker", "transformers.models.gpt2.modeling_gpt2",
-           "transformers.models.opt.modeling_opt"]  # fmt: skip
+           "transformers.models.opt.modeling_opt",
+           "transformers.models.llama.modeling_llama"]  # fmt: skip
 
 
 # What the workers read from the environment when they start. A fork server keeps the one it

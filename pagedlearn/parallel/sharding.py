@@ -19,21 +19,28 @@ talk between workers; embeddings, layer norms and the LM head are replicated. vL
 vocabulary too; pagedlearn keeps it whole: 0.4-2% of the weights of OPT-13B to OPT-175B, but a
 third of GPT-2 small's and of the tiny models'.
 
+With grouped-query attention (Llama, Mistral, Qwen2: several query heads share one KV head)
+worker ``r`` holds KV heads ``r*K/N ..`` and exactly the query heads that read them, because
+transformers orders the query heads group by group; so N must divide the KV heads ``K`` (and then
+the query heads too). SmolLM2-135M has 9 query heads over 3 KV heads: N = 3 works, N = 2 does not.
+
 How: transformers' own tensor-parallel styles, the ones ``from_pretrained(..., tp_plan="auto")``
 applies to Llama and friends. :func:`tensor_parallel_plan` names, per model type, which modules
 are ``"colwise"`` and which ``"rowwise"`` (pattern -> style, as in a config's
-``base_model_tp_plan``, but named from the top module; vLLM
-calls them ``ColumnParallelLinear`` / ``RowParallelLinear``); transformers ships no plan for GPT-2
-or OPT, so the plans live here. :func:`shard_model` keeps each rank's slice of those weights (as
-DTensors over a ``torch.distributed`` ``DeviceMesh``) and replaces each module's ``forward``
-with transformers' (``install_forward``),
-which, without gradients, multiply by the local slice and ``all_reduce`` the row-parallel output
-(adding its bias once, after the sum). PyTorch's ``parallelize_module`` does the same with its
-own ``ColwiseParallel`` / ``RowwiseParallel``, but runs every sharded matmul through DTensor
-dispatch: measured on
-two CPU cores, a forward of the 12-layer gpt2-size-random took 734 ms that way against 85 ms
-this way (tiny-gpt2: 92 ms against 6 ms), so it is not used. Two things neither API does are
-done first:
+``base_model_tp_plan``, but named from the top module; vLLM calls them
+``ColumnParallelLinear`` / ``RowParallelLinear``). For Llama, Mistral and Qwen2 it is
+transformers' own plan, read from the config (q, k, v, gate and up colwise; o and down rowwise);
+transformers ships no plan for GPT-2 or OPT, so theirs live here. (Gemma 2, OLMo and Granite
+ship the same plan as Llama but are not tested here; Gemma 3 and Qwen3 add a style for their
+per-head q and k norms, Phi-3 fuses q, k and v.) :func:`shard_model` keeps each rank's slice of
+those weights (as DTensors over a ``torch.distributed`` ``DeviceMesh``) and replaces each
+module's ``forward`` with transformers' (``install_forward``), which, without gradients,
+multiply by the local slice and ``all_reduce`` the row-parallel output (adding its bias once,
+after the sum). PyTorch's ``parallelize_module`` does the same with its own
+``ColwiseParallel`` / ``RowwiseParallel``, but runs every sharded matmul through DTensor
+dispatch: measured on two CPU cores, a forward of the 12-layer gpt2-size-random took 734 ms
+that way against 85 ms this way (tiny-gpt2: 92 ms against 6 ms), so it is not used. Two things
+neither API does are done first (for GPT-2):
 
 - GPT-2's projections are ``Conv1D`` modules (an ``nn.Linear`` with the weight transposed),
   which neither shards: they become ``nn.Linear``.
@@ -42,16 +49,22 @@ done first:
   reordered to ``[q_0 k_0 v_0 | q_1 k_1 v_1 | ...]`` first, so each piece is one worker's heads.
 
 Last, each attention module is told how many heads it now has (OPT reshapes with
-``self.num_heads``; GPT-2 splits its fused output with ``self.split_size``).
+``self.num_heads``; GPT-2 splits its fused output with ``self.split_size``). Llama's needs
+nothing: it reshapes its projections' outputs to ``(T, -1, head_dim)``, as many heads as its
+slice holds, and its ratio of query to KV heads is the same on every worker as in the model.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
 from pagedlearn.errors import PagedLearnError
 
-SUPPORTED_MODEL_TYPES = ("gpt2", "opt")
+# Llama's architecture: transformers' plan for each (the config's base_model_tp_plan) is the same.
+LLAMA_LIKE = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("gpt2", "opt", *LLAMA_LIKE)
 
 
 def _layers(model):
@@ -61,6 +74,9 @@ def _layers(model):
         return model.transformer.h, "transformer.h.*."
     if kind == "opt":
         return model.model.decoder.layers, "model.decoder.layers.*."
+    if kind in LLAMA_LIKE:  # LlamaForCausalLM.model: the LlamaModel the plan is written for
+        base = model.base_model_prefix
+        return getattr(model, base).layers, f"{base}.layers.*."
     raise PagedLearnError(
         f"tensor parallelism supports the model types {SUPPORTED_MODEL_TYPES}; "
         f"{model.config.model_type!r} has no sharding plan here (pagedlearn/parallel/sharding.py)"
@@ -68,33 +84,62 @@ def _layers(model):
 
 
 def split_sizes(model) -> dict[str, int]:
-    """What must divide by the number of workers: attention heads, KV heads, MLP width."""
+    """What must divide by the number of workers: attention (query) heads, KV heads, MLP width.
+
+    >>> from pagedlearn.models import load
+    >>> split_sizes(load("tiny-mistral").model)  # grouped-query: 2 query heads per KV head
+    {'attention heads': 4, 'KV heads': 2, 'MLP width': 128}
+    """
     c = model.config
     _layers(model)  # refuses a model type with no plan
     if c.model_type == "gpt2":
         heads, inner = c.n_head, c.n_inner or 4 * c.n_embd
         return {"attention heads": heads, "KV heads": heads, "MLP width": inner}
     heads = c.num_attention_heads
-    return {"attention heads": heads, "KV heads": heads, "MLP width": c.ffn_dim}
+    if c.model_type == "opt":
+        return {"attention heads": heads, "KV heads": heads, "MLP width": c.ffn_dim}
+    kv_heads = getattr(c, "num_key_value_heads", None) or heads
+    return {"attention heads": heads, "KV heads": kv_heads, "MLP width": c.intermediate_size}
 
 
 def check_tensor_parallel(model, size: int) -> None:
-    """Refuse (:class:`PagedLearnError`) a worker count that does not split ``model`` evenly."""
+    """Refuse (:class:`PagedLearnError`) a worker count that does not split ``model`` evenly.
+    The engine calls it before it sizes the KV cache or starts any worker."""
     if not isinstance(size, int) or isinstance(size, bool) or size < 1:
         raise PagedLearnError(f"tensor_parallel_size must be a positive int, got {size!r}")
-    for what, n in split_sizes(model).items():
+    sizes = split_sizes(model)
+    # The smallest count first: with grouped-query attention, the KV heads (which N must divide
+    # for the query heads to divide too); with one KV head per query head, the heads.
+    for what in sorted(sizes, key=sizes.get):
+        n = sizes[what]
         if n % size:
-            fits = [d for d in range(1, n + 1) if n % d == 0][:8]
+            common = math.gcd(*sizes.values())  # what divides all of them divides this
+            fits = [d for d in range(1, common + 1) if common % d == 0][:8]
+            heads, kv_heads = sizes["attention heads"], sizes["KV heads"]
+            shared = (
+                f"; its {heads} query heads share them, {heads // kv_heads} per KV head"
+                if what == "KV heads" and heads != kv_heads
+                else ""
+            )
             raise PagedLearnError(
-                f"tensor_parallel_size={size} must divide the model's {what} ({n}): each "
-                f"worker holds an equal share; try one of {fits}"
+                f"tensor_parallel_size={size} must divide the model's {what} ({n}{shared}): "
+                f"each worker holds an equal share; try one of {fits}"
             )
 
 
 def tensor_parallel_plan(model) -> dict[str, str]:
     """Module name pattern (``*``: every layer) -> ``"colwise"`` or ``"rowwise"``, the format of
-    transformers' ``base_model_tp_plan``. GPT-2's modules must be :func:`prepare` d first."""
+    transformers' ``base_model_tp_plan``. GPT-2's modules must be :func:`prepare` d first.
+    Llama-like models: transformers' own plan, named from the top module."""
     _, p = _layers(model)
+    if model.config.model_type in LLAMA_LIKE:
+        base, plan = model.base_model_prefix, dict(model.config.base_model_tp_plan or {})
+        if not plan or set(plan.values()) - {"colwise", "rowwise"}:  # another transformers?
+            raise PagedLearnError(
+                f"transformers' tensor-parallel plan for {model.config.model_type!r} is {plan}; "
+                "pagedlearn applies plans of 'colwise' and 'rowwise' modules only"
+            )
+        return {f"{base}.{name}": style for name, style in plan.items()}
     if model.config.model_type == "gpt2":
         names = {"attn.c_attn": "col", "attn.c_proj": "row", "mlp.c_fc": "col", "mlp.c_proj": "row"}
     else:
@@ -118,7 +163,7 @@ def _linear(conv, rows: torch.Tensor | None = None) -> torch.nn.Linear:
 
 def prepare(model, size: int) -> None:
     """Make ``model``'s layers shardable by the plan's styles for ``size`` workers, in place
-    (GPT-2: ``Conv1D`` -> ``nn.Linear``, fused q/k/v reordered per worker; OPT: nothing)."""
+    (GPT-2: ``Conv1D`` -> ``nn.Linear``, fused q/k/v reordered per worker; the others: nothing)."""
     layers, _ = _layers(model)
     if model.config.model_type != "gpt2":
         return
@@ -178,6 +223,8 @@ def shard_model(model, mesh) -> None:
         for param in ("weight", "bias"):
             styles[style].shard_param(modules[name], param, mesh)  # Shard(0) / Shard(-1) + bias
     apply(model, mesh, plan)
+    if model.config.model_type in LLAMA_LIKE:
+        return  # Llama's attention reshapes to (T, -1, head_dim): as many heads as it holds
     for block in layers:
         attn = block.attn if model.config.model_type == "gpt2" else block.self_attn
         attn.num_heads //= size  # OPT reshapes q, k, v with it

@@ -200,7 +200,8 @@ def _start(cfg: WorkerConfig, model) -> Worker:
 
 def _move_whole_parts(model, dev: torch.device) -> None:
     """Move the parameters and buffers that are not shards (embeddings, norms, row-wise biases)
-    to ``dev``, keeping tied ones tied (GPT-2's and OPT's LM head is the token embedding)."""
+    to ``dev``, keeping tied ones tied (GPT-2's, OPT's and SmolLM2's LM head is the token
+    embedding)."""
     moved: dict[int, torch.nn.Parameter] = {}
     for module in model.modules():
         for name, p in list(module._parameters.items()):
