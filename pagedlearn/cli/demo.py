@@ -115,21 +115,21 @@ def cancel_due(out) -> bool:
     )
 
 
-def default_num_blocks(
-    tokenizer, reqs, block_size: int, num_groups: int = 1, fixed_lengths: bool = True
-) -> int:
+def default_num_blocks(tokenizer, reqs, block_size: int, num_groups: int = 1) -> int:
     """Room for the largest request alone (all its samples or beams), so that every request can
-    run; with ``fixed_lengths`` (every request runs to ``max_tokens``) about half of what all of
-    them need together, so that some requests must be preempted. A chat model's replies end at
-    its EOS, mostly far before ``max_tokens``, so half of that worst case would never fill: its
-    pool is the largest request's room plus two blocks, and requests that grow take turns. A
-    model with several KV-cache groups (sliding-window layers) takes a prompt's blocks in each
-    group (and its windows then free blocks as it decodes: it may need no preemption at all)."""
+    run; when every request runs to ``max_tokens`` (``ignore_eos``: the plain batch), about half
+    of what all of them need together, so that some requests must be preempted. A chat model's
+    replies end at its EOS, mostly far before ``max_tokens``, so half of that worst case would
+    never fill: its pool is the largest request's room plus two blocks, and requests that grow
+    take turns. A model with several KV-cache groups (sliding-window layers) takes a prompt's
+    blocks in each group (and its windows then free blocks as it decodes: it may need no
+    preemption at all)."""
     need = []
     for _, prompt, p in reqs:
         ids = tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
         n_tokens = len(ids) + min(p.max_tokens, 64)
         need.append(num_groups * p.n * -(-n_tokens // block_size))
+    fixed_lengths = all(p.ignore_eos for _, _, p in reqs)
     return max(max(need) + 2, sum(need) // 2 if fixed_lengths else 0)
 
 
@@ -206,8 +206,7 @@ def run_demo(
     given = num_blocks is not None
     if not given:  # size the pool from the prompts as this model tokenizes them
         groups = len(kv_cache_spec(loaded.model).groups)
-        fixed = all(p.ignore_eos for _, _, p in reqs)
-        num_blocks = default_num_blocks(loaded.tokenizer, reqs, block_size, groups, fixed)
+        num_blocks = default_num_blocks(loaded.tokenizer, reqs, block_size, groups)
     check_for_model(loaded, block_size, num_blocks, preemption_mode == "swap", given)
     llm = LLM(
         loaded,
