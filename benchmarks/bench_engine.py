@@ -1,41 +1,46 @@
 """Tokens/s of pagedlearn's engine next to transformers' own generation, same model and prompts.
 
-One run, one model, the same prompts (random token ids, lengths uniform in 8..128, seeded) and the
-same greedy, fixed-length generation (every prompt gets exactly ``--max-tokens`` new tokens: EOS is
-ignored / disabled) for three systems:
+Three systems (engine_systems.py), greedy, the same model: pagedlearn ``LLM.generate`` (paged KV
+cache, continuous batching), transformers ``model.generate()`` on left-padded batches, and
+transformers' continuous batching (``generate_batch``'s manager: its own paged cache, attention
+"sdpa"), in three sections:
 
-1. pagedlearn ``LLM.generate`` (paged KV cache, continuous batching), given as much KV memory
-   as (2)'s padded cache holds at the end of a run: ``num_prompts x (longest prompt +
-   max_tokens)`` tokens x bytes per token (``--kv-memory default``: LLM's own default budget);
-2. transformers ``model.generate()`` on one left-padded batch (attention_mask; pad = pad or eos);
-3. transformers continuous batching, ``model.generate_batch`` (its own paged cache, attention
-   "sdpa", a persistent manager), given the same KV capacity in tokens, per-step token budget and
-   batch size as (1).
+1. **fixed length**: ``--num-prompts`` random token-id prompts (lengths uniform in 8..128,
+   seeded), exactly ``--max-tokens`` new tokens each (EOS ignored), one padded batch; with
+   pagedlearn's per-step breakdown (``engine.subscribe_stats``: bookkeeping = scheduler + block
+   manager + the Python after the forward: sampling, stop checks).
+2. **decode step** at each of ``--batch-sizes`` (1, 4, 16): the wall time of one generated
+   token step of the whole batch after prefill, ``(wall(max_tokens=N) - wall(max_tokens=1)) /
+   (N - 1)`` with N = ``--decode-tokens``, each call on B fresh random prompts of 64 tokens (the
+   same length, so that the two calls' prefills cost the same); tokens/s = B / step.
+3. **the request mix**: the load test's mix (pagedlearn/loadtest/mix.py) as real chats
+   (chat_mix.py: shared system prompts, short and long prompts, varied output lengths, early
+   stops at EOS), all at once; padded ``generate`` takes them in ``--mix-batch`` batches in
+   arrival order, each run to its longest request (see engine_systems.py); tokens counted =
+   what each request asked for and got (cut at its EOS and its max_tokens).
 
-Every system first runs once on a warm-up prompt set, then the systems take turns on ``--repeats``
-fresh prompt sets (interleaved, so that a burst of load from other processes hits them alike; fresh,
-so that no run finds the previous run's prompts in a prefix cache). Reported: the median wall time;
-``tokens/s = generated tokens / wall seconds``, the generated tokens counted in what each system
-returned (they must equal num_prompts * max_tokens); ratios to pagedlearn's tokens/s; how many
-prompts got the same greedy tokens from pagedlearn as from each baseline; the smallest call each
-system can make (one fixed cost per call); and pagedlearn's per-step breakdown in its median timed
-run, from ``engine.subscribe_stats``, bookkeeping = scheduler + block manager + the Python after the
-forward (sampling, stop checks).
+pagedlearn's KV pool holds what ``generate()``'s padded cache holds in the largest of the three
+sections (``--kv-memory default``: LLM's own budget); generate_batch gets the same tokens, the
+same per-step token budget and batch size. Each section first runs once untimed (warm-up), then
+the systems take turns on ``--repeats`` runs (interleaved, so that a burst of load from other
+processes hits them alike; fresh prompts, or for the mix an emptied prefix cache / a new
+generate_batch manager, so that no run finds the previous run's prompts cached). Printed:
+medians and the min..max spread, ratios to pagedlearn, how many outputs were token-for-token
+the same as pagedlearn's, the machine, torch's thread count (``--threads``, default 1: on a
+shared CPU more threads fight over the cores, and a step of many small ops suffers most) and the
+load average. It asserts nothing.
 
-Times on a small shared CPU swing with what else runs: torch's threads and another busy process's
-threads fight over the cores, and a step of many small ops suffers most. The script prints the
-load average and the run-to-run spread to show it.
+Goals (issues 17 and 30): pagedlearn at least as fast as both at every batch size, ahead on the
+mix, bookkeeping < 10% of a step.
 
-Goals (from issue 17): pagedlearn at least as fast as generate and generate_batch, bookkeeping
-< 10% of a step. The script prints what it measures; it asserts nothing.
+``--model smollm2`` is the real SmolLM2-135M-Instruct with its chat template; ``auto`` takes
+``gpt2`` if cached, else smollm2 (else tiny-gpt2); ``gpt2-size-random`` is GPT-2 small's
+architecture with random weights and the byte tokenizer: real-size compute without a download.
 
-``--model gpt2-size-random`` is GPT-2 small's architecture (124M parameters, 12 layers, 12
-heads of 64) with random weights (seeded) and the byte tokenizer: real-size compute without a
-download, for machines that have no cached ``gpt2``. Speed does not depend on the weights.
-
-Usage: python benchmarks/bench_engine.py [--model auto|tiny-gpt2|gpt2|gpt2-size-random|...]
-       [--num-prompts 32] [--max-tokens 64] [--repeats 3] [--device auto|cpu|cuda]
-       [--kv-memory padded|default] [--quick]
+Usage: python benchmarks/bench_engine.py [--model auto|smollm2|tiny-gpt2|gpt2-size-random|...]
+       [--threads 1] [--num-prompts 32] [--max-tokens 64] [--batch-sizes 1,4,16]
+       [--decode-tokens 32] [--mix-entries 36] [--mix-batch 8] [--repeats 3]
+       [--device auto|cpu|cuda] [--kv-memory padded|default] [--quick]
 """
 
 from __future__ import annotations
@@ -43,244 +48,47 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import platform
-import random
 import statistics
 import time
 
 import torch
+from chat_mix import STOP_MAX_TOKENS, build_chat_mix
+from engine_systems import (
+    CB,
+    PADDED,
+    PAGE_SIZE,
+    PAGED,
+    Runner,
+    cb_config,
+    hf_continuous,
+    hf_padded,  # noqa: F401 (bench_memory_bound.py imports it from here)
+    hf_padded_batches,
+    machine_line,
+    make_prompts,
+    same_count,
+    spread,
+)
 
 from pagedlearn import LLM, SamplingParams
 from pagedlearn.models import load
 from pagedlearn.models.runner import kv_cache_spec
 
-PAGED, PADDED, CB = (
-    "pagedlearn LLM.generate",
-    "transformers generate",
-    "transformers generate_batch",
-)
-PAGE_SIZE = 256  # transformers' default page size for generate_batch (tokens per page)
+DECODE_PROMPT_LEN = 64
 
 
-def machine_line() -> str:
-    """Versions, cores and load: what a reader needs to judge any timing printed after it."""
-    import transformers
-
-    return (
-        f"Python {platform.python_version()}, torch {torch.__version__}, transformers "
-        f"{transformers.__version__}; {os.cpu_count()} CPUs, torch threads "
-        f"{torch.get_num_threads()}, load average {os.getloadavg()[0]:.2f}"
-    )
-
-
-def short_reason(e: BaseException) -> str:
-    lines = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {lines[0] if lines else ''}"[:160]
-
-
-def make_prompts(n: int, vocab: int, special: set[int], seed: int) -> list[list[int]]:
-    """``n`` prompts of random token ids (no special token), lengths uniform in 8..128."""
-    rng = random.Random(seed)
-    ids = [t for t in range(vocab) if t not in special]
-    return [[rng.choice(ids) for _ in range(rng.randint(8, 128))] for _ in range(n)]
-
-
-def hf_padded(model, prompts, max_tokens, pad_id, device):
-    """transformers generate() on one left-padded batch; each prompt's new token ids."""
-    width = max(map(len, prompts))
-    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=device)
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
-    cfg = model.generation_config  # eos None: nothing stops early, nothing is suppressed
-    cfg.update(
-        max_new_tokens=max_tokens,
-        min_new_tokens=max_tokens,
-        do_sample=False,
-        eos_token_id=None,
-        pad_token_id=pad_id,
-    )
-    out = model.generate(input_ids=ids, attention_mask=mask, generation_config=cfg)
-    return out[:, width:].tolist()
-
-
-def hf_generate_batch(model, prompts, max_tokens, capacity, budget, max_seqs):
-    """transformers continuous batching; each prompt's new token ids, in prompt order.
-
-    Its KV cache holds ``capacity`` tokens, a step at most ``budget`` tokens and ``max_seqs``
-    requests. The manager persists: the warm-up run builds it, later calls reuse it."""
-    from transformers import ContinuousBatchingConfig, GenerationConfig
-
-    cb_config = ContinuousBatchingConfig(
-        page_size=PAGE_SIZE,
-        num_blocks=-(-capacity // PAGE_SIZE),
-        max_batch_tokens=budget,
-        max_requests_per_batch=max_seqs,
-    )
-
-    cfg = GenerationConfig(
-        max_new_tokens=max_tokens,
-        min_new_tokens=max_tokens,
-        do_sample=False,
-        eos_token_id=-1,
-        pad_token_id=0,
-    )  # -1: EOS disabled
-    res = model.generate_batch(
-        inputs=prompts,
-        generation_config=cfg,
-        continuous_batching_config=cb_config,
-        persistent_manager=True,
-    )
-    outs = list(res.values())
-    if len(outs) != len(prompts) or any(o.error for o in outs):
-        errors = [o.error for o in outs if o.error]
-        raise RuntimeError(f"{len(outs)}/{len(prompts)} results; errors: {errors[:1]}")
-    return [list(o.generated_tokens) for o in outs]
-
-
-def measure(systems, sets, max_tokens, sync):
-    """Warm-up on ``sets[0]``, then the systems take turns on each further set.
-
-    Returns {name: [seconds per timed run]}, {name: [outputs per timed run]}, {name: why it
-    failed}; only generate_batch may fail (then it is reported and left out)."""
-    times, outs, failed = {n: [] for n in systems}, {n: [] for n in systems}, {}
+def fixed_section(run, sets, max_tokens, expected, runs):
+    """1. Fixed length: the table, the greedy cross-check and pagedlearn's breakdown."""
+    times, outs = {n: [] for n in run.names()}, {n: [] for n in run.names()}
     for i, prompts in enumerate(sets):
-        for name, fn in systems.items():
-            if name in failed:
-                continue
-            sync()
-            t0 = time.perf_counter()
-            try:
-                result = fn(prompts, max_tokens)
-            except Exception as e:
-                if name != CB:
-                    raise
-                failed[name] = short_reason(e)
-                continue
-            sync()
-            if i:
-                times[name].append(time.perf_counter() - t0)
-                outs[name].append(result)
-    return times, outs, failed
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="auto", help="auto: gpt2 if cached, else tiny-gpt2")
-    parser.add_argument("--num-prompts", type=int, default=32)
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs per system (median)")
-    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    parser.add_argument(
-        "--kv-memory",
-        default="padded",
-        choices=["padded", "default"],
-        help="pagedlearn's KV cache: the size of generate()'s padded cache (default), or "
-        "LLM's own default budget",
-    )
-    parser.add_argument("--quick", action="store_true", help="4 prompts x 8 tokens, 1 timed run")
-    args = parser.parse_args()
-    if args.quick:
-        args.num_prompts, args.max_tokens, args.repeats = 4, 8, 1
-    device = args.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    logging.getLogger("ContinuousBatchingLogger").setLevel(logging.ERROR)  # EOS/flash notices
-    loaded = load(args.model)
-    print(machine_line())
-    why = " (--model auto: gpt2 is not in the local HF cache)" if loaded.offline_stand_in else ""
-    print(f"model: {loaded.name}{why}, {loaded.model.dtype}, device {device}")
-    config = loaded.model.config
-    special = {config.bos_token_id, config.eos_token_id, config.pad_token_id} - {None}
-    sets = [
-        make_prompts(args.num_prompts, config.vocab_size, special, seed)
-        for seed in range(args.repeats + 1)
-    ]
-    lens = [len(p) for prompts in sets for p in prompts]
-    expected = args.num_prompts * args.max_tokens
-    print(
-        f"prompts: {args.repeats + 1} sets (seeds 0..{args.repeats}: warm-up, then "
-        f"{args.repeats} timed) of {args.num_prompts} random token-id prompts, lengths "
-        f"{min(lens)}..{max(lens)}; greedy, exactly {args.max_tokens} new tokens each (EOS "
-        f"ignored): {args.num_prompts} x {args.max_tokens} = {expected} tokens per run"
-    )
-
-    # The KV memory every system gets: what generate()'s padded cache holds at the end of a run
-    # (every prompt padded to the longest one, plus the new tokens, in every layer, K and V),
-    # for the longest prompt of all the runs: an upper bound over them.
-    per_token = kv_cache_spec(loaded.model).bytes_per_token
-    width = max(len(p) for prompts in sets for p in prompts)
-    padded_tokens = args.num_prompts * (width + args.max_tokens)
-    padded_bytes = padded_tokens * per_token
-    memory = {"padded": padded_bytes, "default": None}[args.kv_memory]
-    print(
-        f"KV memory: generate's padded cache = {args.num_prompts} prompts x ({width} longest "
-        f"prompt + {args.max_tokens} new) tokens x {per_token} bytes per token = "
-        f"{padded_bytes / 2**20:.1f} MiB; pagedlearn gets "
-        + ("the same" if memory else "its default budget (--kv-memory default)")
-    )
-
-    # 1. pagedlearn. LLM() switches its model to the "pagedlearn" attention: the baselines get a
-    #    copy of their own, loaded again.
-    llm = LLM(loaded, block_size=16, device=device, verbose=False, kv_cache_memory=memory)
-    engine = llm.engine
-    capacity = engine.kv_cache.num_blocks * engine.kv_cache.block_size
-    max_seqs, budget = engine.scheduler.max_num_seqs, engine.scheduler.max_num_batched_tokens
-    print(
-        f"pagedlearn: attention {llm.attention_backend}, block_size 16, "
-        f"{engine.kv_cache.num_blocks} blocks = {capacity} tokens = "
-        f"{capacity * per_token / 2**20:.1f} MiB of KV cache, prefix caching "
-        f"on, max_num_seqs {max_seqs}, max_num_batched_tokens {budget}"
-    )
-    runs = []  # the StepStats of each pagedlearn run
-    engine.subscribe_stats(lambda s: runs[-1].append(s))
-
-    def paged(prompts, max_tokens):
-        runs.append([])
-        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-        return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
-
-    # 2. and 3. transformers
-    hf = load(loaded.name).model.to(device)
-    hf.set_attn_implementation("sdpa")
-    pad = config.pad_token_id if config.pad_token_id is not None else config.eos_token_id
-    print(
-        f"generate_batch: attention sdpa, page_size {PAGE_SIZE}, num_blocks "
-        f"{-(-capacity // PAGE_SIZE)} "
-        f"(the same {capacity} tokens), max_batch_tokens {budget}, max_requests_per_batch "
-        f"{max_seqs}, persistent manager (built in the warm-up run)"
-    )
-    systems = {
-        PAGED: paged,
-        PADDED: lambda ps, n: hf_padded(hf, ps, n, pad, device),
-        CB: lambda ps, n: hf_generate_batch(hf, ps, n, capacity, budget, max_seqs),
-    }
-    times, outs, failed = measure(systems, sets, args.max_tokens, sync)
-    for name, reason in failed.items():
-        print(f"{name}: unavailable here: {reason}")
-        del systems[name], times[name], outs[name]
-    small = [sets[0][0][:8]]  # one prompt of 8 tokens, 1 new token
-    small_ms = {name: [] for name in systems}
-    for _ in range(args.repeats):
-        for name, fn in systems.items():
-            t0 = time.perf_counter()
-            fn(small, 1)
-            sync()
-            small_ms[name].append((time.perf_counter() - t0) * 1e3)
-    getattr(hf, "destroy_cached_continuous_batching_manager", lambda: None)()
-    report(times, outs, expected, runs[1 : 1 + args.repeats], runs[0])
-    print(
-        "smallest call (1 prompt of 8 tokens, 1 new token; median ms): "
-        + ", ".join(f"{name} {statistics.median(ms):.1f}" for name, ms in small_ms.items())
-    )
-    print(f"load average (1 min) at the end: {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
-
-
-def report(times, outs, expected, steps_per_run, warmup_steps) -> None:
-    """The table, the greedy cross-check, pagedlearn's step breakdown and the goals."""
+        for name in run.names():
+            got = run(name, prompts, [max_tokens] * len(prompts))
+            if got and i:
+                times[name].append(got[0])
+                outs[name].append(got[1])
     print(f"\n{'system':<31} {'wall s':>8} {'tokens':>7} {'tokens/s':>9} {'vs pagedlearn':>14}")
     rate = {}
-    for name, secs in times.items():
-        counts = [sum(map(len, out)) for out in outs[name]]
+    for name in run.names():
+        secs, counts = times[name], [sum(map(len, out)) for out in outs[name]]
         rate[name] = statistics.median(counts) / statistics.median(secs)
         flag = "" if set(counts) == {expected} else f"  (per run {counts}; expected {expected})"
         print(
@@ -291,22 +99,15 @@ def report(times, outs, expected, steps_per_run, warmup_steps) -> None:
         "tokens/s = generated tokens / wall seconds (median of the timed runs); generated tokens "
         "= token ids returned per run, counted; vs pagedlearn = tokens/s / pagedlearn's"
     )
-    print(
-        "timed runs (s): "
-        + "; ".join(f"{k}: " + ", ".join(f"{t:.3f}" for t in v) for k, v in times.items())
-    )
-    print(
-        "run-to-run spread (slowest / fastest timed run): "
-        + ", ".join(f"{k} {max(v) / min(v):.2f}x" for k, v in times.items())
-    )
-    ours = [toks for out in outs[PAGED] for toks in out]
-    for name in (PADDED, CB):
-        if name in outs:
-            theirs = [toks for out in outs[name] for toks in out]
-            same = sum(a == b for a, b in zip(ours, theirs, strict=True))
-            print(f"greedy tokens of pagedlearn identical to {name}'s: {same}/{len(ours)} prompts")
+    print("wall s, median (min..max): " + "; ".join(f"{n} {spread(times[n])}" for n in rate))
+    for name in list(rate)[1:]:  # the baselines, in order
+        n = same_count(outs[name], outs[PAGED])
+        print(f"greedy tokens of pagedlearn identical to {name}'s: {n} prompts")
+    return rate, breakdown(times[PAGED], runs[1 : 1 + len(times[PAGED])], runs[0])
 
-    secs = times[PAGED]  # the breakdown of pagedlearn's median run, the one in the table
+
+def breakdown(secs, steps_per_run, warmup_steps) -> float:
+    """pagedlearn's per-step breakdown in its median timed run; returns bookkeeping / step."""
     median_run = sorted(range(len(secs)), key=secs.__getitem__)[(len(secs) - 1) // 2]
     steps = steps_per_run[median_run]
     n = len(steps)
@@ -318,7 +119,7 @@ def report(times, outs, expected, steps_per_run, warmup_steps) -> None:
     before = steps_per_run[median_run - 1][-1] if median_run else warmup_steps[-1]
     preempted = steps[-1].preemptions_recompute - before.preemptions_recompute
     print(
-        f"\npagedlearn's median timed run (run {median_run + 1} of {len(secs)}): {n} steps, "
+        f"pagedlearn's median timed run (run {median_run + 1} of {len(secs)}): {n} steps, "
         f"{sum(s.num_batched_tokens for s in steps) / n:.1f} tokens per step on average; "
         f"{hits} prompt tokens served from the prefix cache in the timed runs; "
         f"{preempted} preemptions (recompute) in this run, with a pool of "
@@ -330,19 +131,241 @@ def report(times, outs, expected, steps_per_run, warmup_steps) -> None:
         f"  mean bookkeeping time  {book * 1e3:8.3f} ms  (scheduler + block manager, and the "
         "Python after the forward: sampling, stop checks, frees)"
     )
-    print(
-        f"  mean other time        {(step - fwd - book) * 1e3:8.3f} ms  (step - forward - "
-        "bookkeeping: block copies / swaps)"
-    )
+    print(f"  mean other time        {(step - fwd - book) * 1e3:8.3f} ms  (block copies / swaps)")
     print(
         f"  bookkeeping / step time = sum(bookkeeping_time) / sum(step_time) = "
         f"{100 * book / step:.1f}%"
     )
+    return book / step
+
+
+def decode_section(run, sizes, n, repeats, fresh, warmup):
+    """2. Decode step time and tokens/s at each batch size; returns {B: {name: tokens/s}}."""
+    rates = {}
+    print(
+        "\nbatch system                       step ms: median (min..max)  tokens/s  vs "
+        "pagedlearn  same tokens as pagedlearn"
+    )
+    for b in sizes:
+        steps, outs = {k: [] for k in run.names()}, {k: [] for k in run.names()}
+        for r in range(1 - warmup, repeats + 1):  # r = 0: the warm-up
+            long, one = fresh(b), fresh(b)
+            for name in run.names():
+                got_n, got_1 = run(name, long, [n] * b), run(name, one, [1] * b)
+                if got_n and got_1 and r:
+                    steps[name].append((got_n[0] - got_1[0]) / (n - 1))
+                    outs[name].append(got_n[1])
+        rates[b] = {k: b / statistics.median(steps[k]) for k in run.names()}
+        for name in run.names():
+            ms = [s * 1e3 for s in steps[name]]
+            print(
+                f"{b:>5} {name:<28} {spread(ms, '{:.1f}'):>28} {rates[b][name]:>9.1f} "
+                f"{rates[b][name] / rates[b][PAGED]:>13.2f}x  {same_count(outs[name], outs[PAGED])}"
+            )
+    print(
+        f"step = (wall(max_tokens={n}) - wall(max_tokens=1)) / ({n} - 1), each call on B fresh "
+        f"prompts of {DECODE_PROMPT_LEN} random tokens, EOS ignored; tokens/s = B / median "
+        f"step; (min..max) over {repeats} runs"
+    )
+    return rates
+
+
+def mix_section(run, requests, eos, batch, repeats, reset, warmup):
+    """3. Throughput on the request mix; returns {name: tokens/s}."""
+    prompts, limits = [q.prompt for q in requests], [q.max_tokens for q in requests]
+    times, outs = {k: [] for k in run.names()}, {k: [] for k in run.names()}
+    for r in range(1 - warmup, repeats + 1):  # r = 0: the warm-up
+        for name in run.names():
+            reset(name)  # untimed: no run finds the previous run's prompts cached
+            got = run(name, prompts, limits, eos, batch)
+            if got and r:
+                times[name].append(got[0])
+                outs[name].append(got[1])
+    rate = {}
+    print(
+        "\nmix  system                       tokens  wall s: median (min..max)  tokens/s  vs "
+        "pagedlearn  same tokens as pagedlearn"
+    )
+    for name in run.names():
+        tokens = statistics.median(sum(map(len, o)) for o in outs[name])
+        rate[name] = tokens / statistics.median(times[name])
+        print(
+            f"mix  {name:<28} {tokens:>6.0f} {spread(times[name]):>27} {rate[name]:>9.1f} "
+            f"{rate[name] / rate[PAGED]:>13.2f}x  {same_count(outs[name], outs[PAGED])}"
+        )
+    print(
+        f"tokens/s = tokens / median wall s; tokens = each request's output up to its EOS and "
+        f"max_tokens (a padded row's tokens past them are not counted); (min..max) over "
+        f"{repeats} runs"
+    )
+    return rate
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add = parser.add_argument
+    add("--model", default="auto", help="auto: gpt2 if cached, else smollm2, else tiny-gpt2")
+    add("--threads", type=int, default=1, help="torch.set_num_threads (default 1)")
+    add("--num-prompts", type=int, default=32, help="1. fixed length: prompts")
+    add("--max-tokens", type=int, default=64, help="1. fixed length: new tokens per prompt")
+    add("--batch-sizes", default="1,4,16", help="2. decode step: batch sizes")
+    add("--decode-tokens", type=int, default=32, help="2. decode step: N (>= 2)")
+    add("--mix-entries", type=int, default=36, help="3. mix: template entries (12 a cycle)")
+    add("--mix-batch", type=int, default=8, help="3. mix: generate()'s padded batch size")
+    add("--repeats", type=int, default=3, help="timed runs per system (median, min..max)")
+    add("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    add("--kv-memory", default="padded", choices=["padded", "default"], help="pagedlearn's KV "
+        "cache: generate()'s padded cache (default), or LLM's own default budget")  # fmt: skip
+    add("--quick", action="store_true", help="a smoke test: tiny sizes, 1 timed run, sections "
+        "2 and 3 without a warm-up run of their own")  # fmt: skip
+    args = parser.parse_args()
+    if args.quick:
+        args.num_prompts, args.max_tokens, args.repeats = 4, 8, 1
+        args.decode_tokens, args.mix_entries = 2, 6
+    stop_tokens = 16 if args.quick else STOP_MAX_TOKENS  # quick: random weights never stop
+    warm = not args.quick  # quick: sections 2 and 3 rely on section 1's warm-up
+    sizes = [int(b) for b in args.batch_sizes.split(",") if b.strip().isdigit()]
+    small = min([args.threads, args.mix_entries, args.mix_batch, *sizes])
+    if small < 1 or args.decode_tokens < 2 or len(sizes) != len(args.batch_sizes.split(",")):
+        parser.error(
+            "--threads, --mix-entries, --mix-batch and each of --batch-sizes (comma-separated) "
+            "must be integers >= 1, --decode-tokens >= 2"
+        )
+    torch.set_num_threads(args.threads)
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    logging.getLogger("ContinuousBatchingLogger").setLevel(logging.ERROR)  # EOS/flash notices
+    started = time.perf_counter()
+    loaded = load(args.model)
+    print(machine_line(device))
+    why = " (--model auto: no gpt2 or smollm2 here)" if loaded.offline_stand_in else ""
+    print(f"model: {loaded.name}{why}, {loaded.model.dtype}, device {device}")
+    config, tok = loaded.model.config, loaded.tokenizer
+    special = {config.bos_token_id, config.eos_token_id, config.pad_token_id} - {None}
+    sets = [
+        make_prompts(args.num_prompts, config.vocab_size, special, seed)
+        for seed in range(args.repeats + 1)
+    ]
+    lens = [len(p) for prompts in sets for p in prompts]
+    expected = args.num_prompts * args.max_tokens
+    ctx = getattr(config, "max_position_embeddings", None) or config.n_positions
+    mix = build_chat_mix(tok, args.mix_entries, 0, 16, ctx, stop_tokens)
+
+    # The KV memory every system gets: what generate()'s padded cache holds at the end of the
+    # largest section (every prompt of a batch padded to its longest, plus the new tokens).
+    per_token = kv_cache_spec(loaded.model).bytes_per_token
+    width = max(lens)
+    fixed = args.num_prompts * (width + args.max_tokens)
+    decode = max(sizes) * (DECODE_PROMPT_LEN + args.decode_tokens)
+    chunks = [mix[i : i + args.mix_batch] for i in range(0, len(mix), args.mix_batch)]
+    mixed = max(len(c) * max(len(q.prompt) + q.max_tokens for q in c) for c in chunks)
+    padded_bytes = max(fixed, decode, mixed) * per_token
+    memory = {"padded": padded_bytes, "default": None}[args.kv_memory]
+    print(
+        f"KV memory: generate's padded cache = {args.num_prompts} prompts x ({width} longest "
+        f"prompt + {args.max_tokens} new) tokens x {per_token} bytes per token = "
+        f"{fixed * per_token / 2**20:.1f} MiB; decode section {decode} tokens, mix section "
+        f"{mixed} tokens; pagedlearn gets "
+        + ("the largest of the three" if memory else "its default budget (--kv-memory default)")
+    )
+
+    # pagedlearn. LLM() switches its model to the "pagedlearn" attention: the baselines get a
+    # copy of their own, loaded again.
+    llm = LLM(loaded, block_size=16, device=device, verbose=False, kv_cache_memory=memory)
+    engine = llm.engine
+    capacity = engine.kv_cache.num_blocks * engine.kv_cache.block_size
+    max_seqs, budget = engine.scheduler.max_num_seqs, engine.scheduler.max_num_batched_tokens
+    print(
+        f"pagedlearn: attention {llm.attention_backend}, block_size 16, "
+        f"{engine.kv_cache.num_blocks} blocks = {capacity} tokens = "
+        f"{capacity * per_token / 2**20:.1f} MiB of KV cache, prefix caching "
+        f"on, max_num_seqs {max_seqs}, max_num_batched_tokens {budget}"
+    )
+    runs = []  # the StepStats of each pagedlearn call
+    engine.subscribe_stats(lambda s: runs[-1].append(s))
+
+    def paged(prompts, limits, eos, batch):
+        runs.append([])
+        params = [SamplingParams(max_tokens=m, ignore_eos=eos is None) for m in limits]
+        return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    hf = load(loaded.name).model.to(device)
+    hf.set_attn_implementation("sdpa")
+    pad = config.pad_token_id if config.pad_token_id is not None else config.eos_token_id
+    cb = cb_config(capacity, budget, max_seqs)
+    print(
+        f"generate_batch: attention sdpa, page_size {PAGE_SIZE}, num_blocks "
+        f"{-(-capacity // PAGE_SIZE)} (the same {capacity} tokens), max_batch_tokens {budget}, "
+        f"max_requests_per_batch {max_seqs}, persistent manager (built in the warm-up run)"
+    )
+    run = Runner(
+        {
+            PAGED: paged,
+            PADDED: lambda ps, lim, eos, b: hf_padded_batches(hf, ps, lim, eos, pad, device, b),
+            CB: lambda ps, lim, eos, b: hf_continuous(hf, ps, lim, eos, cb),
+        },
+        sync,
+    )
+
+    print(
+        f"\n1. fixed length. prompts: {args.repeats + 1} sets (seeds 0..{args.repeats}: warm-up, "
+        f"then {args.repeats} timed) of {args.num_prompts} random token-id prompts, lengths "
+        f"{min(lens)}..{max(lens)}; greedy, exactly {args.max_tokens} new tokens each (EOS "
+        f"ignored): {args.num_prompts} x {args.max_tokens} = {expected} tokens per run"
+    )
+    fixed_rate, book = fixed_section(run, sets, args.max_tokens, expected, runs)
+    seeds = iter(range(1000, 10**6))
+
+    def fresh(b):
+        return make_prompts(b, config.vocab_size, special, next(seeds), *[DECODE_PROMPT_LEN] * 2)
+
+    print(f"\n2. decode step at batch {', '.join(map(str, sizes))}")
+    decode_rates = decode_section(run, sizes, args.decode_tokens, args.repeats, fresh, warm)
+
+    kinds = sorted({q.kind for q in mix})
+    plens = [len(q.prompt) for q in mix]
+    template = "the model's chat template"
+    if not getattr(tok, "chat_template", None):
+        template = "the plain template (the model has no chat template)"
+    print(
+        f"\n3. request mix: {len(mix)} requests from the load test's first {args.mix_entries} "
+        f"template entries ({', '.join(kinds)}), chats rendered with "
+        f"{template}; prompts {min(plens)}..{max(plens)} tokens, max_tokens "
+        f"{min(q.max_tokens for q in mix)}..{max(q.max_tokens for q in mix)}, greedy, EOS "
+        f"{tok.eos_token_id} ends a request; all at once; generate: batches of "
+        f"{args.mix_batch} in arrival order, each to its longest request (EOS or max_new_tokens)"
+    )
+
+    def reset(name):
+        if name == PAGED:
+            llm.reset_prefix_cache()
+        elif name == CB:  # a new manager: an empty cache (built here, outside the timing)
+            hf.destroy_cached_continuous_batching_manager()
+            run(CB, [mix[0].prompt], [1])
+
+    mix_rate = mix_section(run, mix, tok.eos_token_id, args.mix_batch, args.repeats, reset, warm)
+    getattr(hf, "destroy_cached_continuous_batching_manager", lambda: None)()
+
     print("\ngoals (measured, not asserted):")
     for name in (PADDED, CB):
-        ratio = f"{rate[PAGED] / rate[name]:.2f}x" if name in rate else f"n/a ({name} did not run)"
-        print(f"  pagedlearn / {name} tokens/s: goal: >= 1.0x; measured: {ratio}")
-    print(f"  bookkeeping / step time: goal: < 10%; measured: {100 * book / step:.1f}%")
+        if name in run.failed:
+            print(f"  pagedlearn / {name} tokens/s: goal: >= 1.0x; measured: n/a (did not run)")
+            continue
+        ratios = [(fixed_rate, "1. fixed length")] + [
+            (r, f"batch {b}") for b, r in decode_rates.items()
+        ]
+        ratios.append((mix_rate, "the mix"))
+        print(
+            f"  pagedlearn / {name} tokens/s: goal: >= 1.0x; measured: "
+            + ", ".join(f"{r[PAGED] / r[name]:.2f}x ({what})" for r, what in ratios if name in r)
+        )
+    print(f"  bookkeeping / step time (1. fixed length): goal: < 10%; measured: {100 * book:.1f}%")
+    print(
+        f"load average (1 min) at the end: {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs; "
+        f"whole run {time.perf_counter() - started:.0f} s"
+    )
 
 
 if __name__ == "__main__":
