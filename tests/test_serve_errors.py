@@ -396,7 +396,7 @@ def test_command_line_options(monkeypatch):
     assert "from-env-secret" not in parser.format_help()  # --help never shows the key
     args = parser.parse_args([])
     assert (args.model, args.host, args.port, args.api_key) == (
-        "tiny-gpt2",
+        "smollm2",  # the real model by default
         "127.0.0.1",
         8000,
         None,
