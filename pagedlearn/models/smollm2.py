@@ -18,7 +18,7 @@ How it gets here, once per machine (:func:`folder`):
 2. transformers reads the GGUF (``from_pretrained(dir, gguf_file=...)``, with the ``gguf`` and
    ``accelerate`` packages) and dequantizes it to float32: about 30 s on one core, 1.2 GiB RSS.
 3. Save that as an ordinary float32 folder (517 MB: safetensors, tokenizer, chat template) in the
-   cache, named by the GGUF's SHA-256; every later load reads the folder (about 2 s).
+   cache, named by the GGUF's SHA-256; every later load reads the folder (about 5 s).
 
 Float32, not bfloat16: transformers' own float32 ``generate`` is what the tests compare against,
 token for token (bf16 is faster, but two bf16 implementations differ in their roundings).
