@@ -188,7 +188,9 @@ def test_every_block_of_the_inspector_can_be_reached_in_a_normal_window(notebook
             if box is None or box["x"] + box["width"] > right + 1:
                 cut.append(buttons.nth(i).inner_text())
         _shoot(notebook, shots / "chapter06_inspector_1280.png")
-        assert buttons.count() >= 30 and not cut, f"block buttons cut off on the right: {cut}"
+        # More buttons than one row holds at this width (16), so the grid must wrap: the
+        # chapter's pool has 23 blocks (SmolLM2's chats, sized by demo.default_num_blocks).
+        assert buttons.count() >= 20 and not cut, f"block buttons cut off on the right: {cut}"
         buttons.last.click()  # the last block answers a click: the inspector names it
         notebook.until(
             lambda: f"block {buttons.count() - 1}" in (view.text_content() or "").lower(),
