@@ -59,7 +59,7 @@ def installed() -> bool:
 
 def gguf_file() -> tuple[Path, str]:
     """The GGUF file in the installed wheel, and its SHA-256 (hex) as the wheel's RECORD states
-    it -- pip checked it against the download, so it need not be read again here."""
+    it (written when the wheel was built), so that a load need not read the 98 MB file."""
     try:
         dist = metadata.distribution(WHEEL)
     except metadata.PackageNotFoundError:
