@@ -40,7 +40,9 @@ def beam_step(
     eos_token_id: int | None,
     max_model_len: int,
 ) -> None:
-    """Advance ``req``'s beams by one token, in place (its ``seqs`` and ``done``)."""
+    """Advance ``req``'s beams by one token, in place (its ``seqs`` and ``done``). With no live
+    beam left the search is over, and the engine's ``finish`` ranks what it found
+    (:func:`keep_best_beams`)."""
     p = req.params
     width = p.beam_width
     top = torch.topk(logprobs, min(2 * width, logprobs.shape[-1]), dim=-1)
@@ -87,15 +89,13 @@ def beam_step(
             kv.free_sequence(beam.seq_id)
             req.done.append(_finished(req, beam.token_ids, beam.cumulative_logprob, "length"))
         req.seqs = []
-    if not req.seqs:
-        keep_best_beams(req)
 
 
 def keep_best_beams(req: Request) -> None:
     """End a beam search: its live beams join the finished ones (each keeps its finish reason),
-    and only the ``beam_width`` best by score stay, best first (``index`` = rank). Called when the
-    search finishes here, and by ``outputs.finish`` when it ends otherwise (an abort, a failure),
-    so that a beam search never hands back more than ``beam_width`` beams."""
+    and only the ``beam_width`` best by score stay, best first (``index`` = rank). Called by
+    ``outputs.finish`` however the search ended (:func:`beam_step` finished it, an abort, a
+    failure), so that a beam search never hands back more than ``beam_width`` beams."""
     req.done.extend(req.seqs)
     req.seqs = []
     req.done.sort(key=lambda s: -_score(req, s))  # stable: ties keep their order
