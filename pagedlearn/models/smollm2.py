@@ -114,7 +114,7 @@ def folder() -> Path:
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
         with FileLock(str(dest) + ".lock"):
-            if not (dest / "config.json").is_file():  # another process may have done it
+            if not converted(sha256):  # another process may have done it
                 _convert(gguf, dest)
     except ModelLoadError:
         raise
