@@ -7,11 +7,12 @@ The handout is one folder per lab, made from the package's own source::
     DIR/01_allocator/block_allocator.py     the reference files, the lab's bodies as stubs
     DIR/01_allocator/block_table.py
     ...
+    DIR/pagedlearn-student/       the student edition of pagedlearn (student_edition.py)
 
-Students need pagedlearn installed with its ``labs`` extra (``pip install -e ".[labs]"`` in the
-repository): the checks, the pictures and the engine come from it. Every function a lab names
-is a stub in both the notebook and the ``.py`` files; :func:`export` checks that by parsing what
-it wrote, so a solution cannot slip out.
+Students install the student edition (``pip install -e pagedlearn-student``): the checks, the
+pictures and the engine come from it. Every function a lab names is a stub in the notebook, the
+``.py`` files and the student edition; :func:`export` checks that by parsing what it wrote, so a
+solution cannot slip out.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pathlib import Path
 
 from pagedlearn.labs import all_labs
 from pagedlearn.labs.handout import EXERCISE_TAG, _find, is_stub, lab_files
+from pagedlearn.labs.student_edition import build
 
 STUDENT_README = """\
 # pagedlearn labs
@@ -33,8 +35,14 @@ precisely what is wrong, then your code serves a real model.
 
 ## How to work
 
-1. Install pagedlearn with its labs extra: in its repository, `make install` (or
-   `pip install -e ".[labs]"`), or as your course says.
+1. Install the student edition of pagedlearn, once, from this folder (in a fresh environment:
+   it installs as `pagedlearn`, in place of a full one):
+
+       pip install -e pagedlearn-student
+
+   It is all of pagedlearn -- the engine, the models, the pictures, `check()` -- except that
+   every function a lab grades is a stub until you write it, and whatever needs one says so by
+   name: "BlockAllocator.allocate is lab 1, allocator: not written yet -- ...".
 2. Open a lab's notebook (`jupyter lab`), read it, and fill in the exercise cells. Each ends with
    `check("...")`: run the cell, and read what it prints. A failure shows the shortest sequence
    of operations that goes wrong, what was expected and what your code gave (for the memory
@@ -86,6 +94,8 @@ def export(out_dir: str | Path) -> list[Path]:
     readme.write_text(STUDENT_README.format(table="\n".join(rows)))
     written.append(readme)
     _check_no_solutions(out)
+    edition = build(out / "pagedlearn-student")  # verifies its own stubs
+    written.extend(p for p in sorted(edition.rglob("*")) if p.is_file())
     return written
 
 
