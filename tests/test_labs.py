@@ -288,9 +288,12 @@ def test_grade_exits_2_with_one_line_when_the_submission_cannot_load(tmp_path):
 
 
 def test_a_looping_or_exiting_submission_costs_points_not_the_grader(tmp_path, monkeypatch):
-    from pagedlearn.labs import grader
+    from pagedlearn.labs import copies, grader
 
     monkeypatch.setattr(grader, "MARGIN_S", 1.0)
+    # Made from the reference's own files, which copies.py would (rightly) zero as copies: this
+    # test is about the worker's limits, so it grades them as the student's.
+    monkeypatch.setattr(copies, "find_copies", lambda lab, paths: {})
     lab = get("allocator")
     files = {Path(p).name: (ROOT / p).read_text() for p in lab.files}
     # slot() ignores the SIGALRM the worker's time limit uses: only the grader's kill stops it.
@@ -442,3 +445,17 @@ def test_your_kv_cache_manager_uses_a_lab_answer_only_once_it_passes(tmp_path, c
     assert nearby("allocator", tmp_path / "03_prefix") == (
         tmp_path / "03_prefix" / ".." / "01_allocator" / "01_allocator.ipynb"
     )
+
+
+def test_a_submission_that_imports_the_reference_scores_zero_and_is_told_why(tmp_path):
+    """The first attack an instructor worries about: the package is installed beside the
+    submission, so `import *` from it passes every check -- unless the grader reads the file."""
+    path = tmp_path / "kv_cache_manager.py"
+    path.write_text("from pagedlearn.core.kv_cache_manager import *  # noqa\n")
+    out = tmp_path / "results.json"
+    r = cli("grade", "cow", str(path), "--json", str(out))
+    assert r.returncode == 1, r.stdout + r.stderr
+    results = json.loads(out.read_text())
+    assert results["score"] == 0 and len(results["tests"]) == len(get("cow").checks)
+    assert all("not written in the submission" in t["output"] for t in results["tests"])
+    assert "write your own" in r.stdout

@@ -32,9 +32,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pagedlearn.labs import get
+from pagedlearn.labs import copies, get
 from pagedlearn.labs.lab import Lab
-from pagedlearn.labs.runner import ERROR, NOT_DONE, PASSED, Outcome
+from pagedlearn.labs.runner import ERROR, FAILED, NOT_DONE, PASSED, Outcome
 from pagedlearn.labs.submission import SubmissionError
 
 LOAD_TIMEOUT_S = 60.0  # importing torch / triton and the submission
@@ -120,7 +120,15 @@ def grade(
     origin = "the reference (the package's own code)" if reference else ", ".join(paths or [])
     report = Report(lab, origin)
     start = time.perf_counter()
-    remaining = [c.name for c in lab.checks]
+    # An exercise whose graded functions the submission imports or copies from the package
+    # scores 0 without running (copies.py reads the files; it never runs them).
+    copied = {} if reference else copies.find_copies(lab, list(paths or []))
+    report.outcomes += [
+        Outcome(c.name, c.exercise, FAILED, 0, c.points, copied[c.exercise])
+        for c in lab.checks
+        if c.exercise in copied
+    ]
+    remaining = [c.name for c in lab.checks if c.exercise not in copied]
     limits = {c.name: min(c.timeout_s, time_limit or c.timeout_s) for c in lab.checks}
     by_name = {c.name: c for c in lab.checks}
     first = True
@@ -134,6 +142,7 @@ def grade(
                     else worker.died_or_timed_out(f"loading it took over {LOAD_TIMEOUT_S:g} s")
                 )
                 if first:
+                    report.outcomes = []
                     report.load_error = why
                     report.seconds = time.perf_counter() - start
                     return report
