@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from pagedlearn.labs import all_labs
+from pagedlearn.labs import all_labs, get
 from pagedlearn.labs.handout import ROOT, _body_lines, _defined_in, _find
 from pagedlearn.labs.student_edition import (
     MARKER,
@@ -137,9 +137,9 @@ def test_the_edition_imports_in_place_of_the_package_and_stubs_say_their_lab(edi
 
 
 def test_build_replaces_an_old_edition_and_refuses_any_other_folder(edition, tmp_path):
-    old = build(tmp_path / "pagedlearn-student")
+    old = build(tmp_path / "pagedlearn-student", record=False)
     (old / "pagedlearn" / "stale.py").write_text("x = 1\n")
-    assert build(old) == old and not (old / "pagedlearn" / "stale.py").exists()
+    assert build(old, record=False) == old and not (old / "pagedlearn" / "stale.py").exists()
     other = tmp_path / "work"
     (other / "notes.txt").parent.mkdir()
     (other / "notes.txt").write_text("mine")
@@ -160,3 +160,62 @@ def test_the_graders_edition_is_built_once_into_the_cache(tmp_path, monkeypatch)
     assert oct(first.stat().st_mode & 0o777) == oct(0o755)  # readable by a sandboxed worker
     assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]  # no half-built tree
     verify(first)
+
+
+# --- feedback and grading in the student edition: the reference's recorded answers, replayed ------
+def _in_edition(edition: Path, tmp_path: Path, *args: str):
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(PYTHONPATH=str(edition), PYTHONDONTWRITEBYTECODE="1", OMP_NUM_THREADS="1")
+    return subprocess.run(
+        [sys.executable, "-m", "pagedlearn", *args],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def test_grade_in_the_edition_replays_the_references_answers(edition, tmp_path):
+    """No reference there, and still the verdicts: a correct solution gets full marks, the
+    untouched files 0, a mistake its message -- from answers recorded at export."""
+    assert sorted(p.name for p in (edition / "pagedlearn/labs/expected").iterdir()) == sorted(
+        f"{lab}.json.gz"
+        for lab in ("allocator", "attention", "cow", "kernel", "prefix", "scheduler")
+    )
+    lab = get("allocator")
+    right = [str(ROOT / f) for f in lab.files]  # correct answers (written by the package's authors)
+    r = _in_edition(edition, tmp_path, "grade", "allocator", *right)
+    assert r.returncode == 0 and "score 20/20" in r.stdout, r.stdout + r.stderr
+
+    stubs = [str(edition / f) for f in lab.files]
+    r = _in_edition(edition, tmp_path, "grade", "allocator", *stubs)
+    assert r.returncode == 1 and "score 0/20" in r.stdout, r.stdout + r.stderr
+    assert "BlockAllocator.allocate is lab 1, allocator: not written yet" in r.stdout
+
+    wrong = tmp_path / "wrong"
+    wrong.mkdir()
+    for f in lab.files:
+        text = (ROOT / f).read_text()
+        (wrong / Path(f).name).write_text(
+            text.replace(
+                "self._free_cached.popitem(last=False)", "self._free_cached.popitem(last=True)"
+            )
+        )
+    r = _in_edition(edition, tmp_path, "grade", "allocator", *map(str, wrong.iterdir()))
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "[FAIL] 0/2  pool: cached blocks are evicted least recently freed first" in r.stdout
+    # The recorded request in the check's words, the reference's answer and theirs:
+    assert "in a pool of 5 blocks, after allocate(5); mark_cached(1);" in r.stdout
+    assert "should return [3]; yours returned [4]" in r.stdout
+
+    r = _in_edition(edition, tmp_path, "grade", "allocator", "--reference")
+    assert r.returncode == 2 and "no reference" in r.stderr
+
+
+def test_a_later_lab_runs_on_the_students_earlier_ones_in_the_edition(edition, tmp_path):
+    """The cow lab's manager takes blocks from the allocator: in the edition that is the
+    student's lab 1, given with the submission."""
+    files = [str(ROOT / f) for lab_id in ("allocator", "cow", "prefix") for f in get(lab_id).files]
+    r = _in_edition(edition, tmp_path, "grade", "cow", *files)
+    assert r.returncode == 0 and "score 32/32" in r.stdout, r.stdout + r.stderr

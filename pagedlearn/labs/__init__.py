@@ -2,9 +2,13 @@
 
 Each lab names functions of this package that a student writes (lab.py), checks that say
 precisely what is wrong (one module per lab, below), a handout made from the package's own source
-with those bodies blanked (handout.py), a grader with per-check time limits and Gradescope's JSON
-(grader.py), instant feedback in the lab notebooks (feedback.py), and a way to run a real model on
-the student's own allocator (plug.py). The command line::
+with those bodies blanked (handout.py) and a student edition of the whole package with every
+graded body blanked (student_edition.py), a grader that runs the checks in its own process and
+the student's code in a sandbox it talks to (grader.py; sandbox.py, worker.py; remote.py,
+wire.py), with per-check time limits, copy detection (copies.py) and Gradescope's JSON, instant
+feedback in the lab notebooks (feedback.py; in the student edition, a replay of the reference's
+recorded answers: expected.py), and a way to run a real model on the student's own allocator
+(plug.py). The command line::
 
     python -m pagedlearn labs list          # one line per lab: <id>  <reference file>  <title>
     python -m pagedlearn labs export DIR    # the student handout

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from pagedlearn.core.block_allocator import BlockAllocator as RefAllocator
 from pagedlearn.labs.lab import CheckFailed, Exercise, Lab, crashed, explore
-from pagedlearn.labs.twins import Once, Twins
+from pagedlearn.labs.twins import Held, Once, Twins
 
 LAB = Lab(
     id="allocator",
@@ -117,22 +117,32 @@ def _hint(field: str, want, got) -> str:
     return ""
 
 
+def _your_pool(sub, num_blocks: int) -> Held:
+    """Your pool, built where your code runs, with a list of the ids its ``on_evict`` gets."""
+    evicted: list[int] = []
+    try:
+        pool = sub.BlockAllocator(num_blocks, on_evict=evicted.append)
+    except (CheckFailed, NotImplementedError):
+        raise
+    except Exception as e:
+        raise crashed([f"BlockAllocator({num_blocks})"], e) from e
+    return Held(pool, _look, evicted=evicted)
+
+
+def _look(held: Held, before: bool = False):
+    return None if before else _snapshot(held.obj, held.extra["evicted"])
+
+
 class _Pools(Twins):
     """Your pool and the reference's."""
 
     def __init__(self, sub, num_blocks: int) -> None:
-        self.evicted: dict[str, list[int]] = {"ref": [], "yours": []}
-        ref = RefAllocator(num_blocks, on_evict=self.evicted["ref"].append)
-        try:
-            yours = sub.BlockAllocator(num_blocks, on_evict=self.evicted["yours"].append)
-        except (CheckFailed, NotImplementedError):
-            raise
-        except Exception as e:
-            raise crashed([f"BlockAllocator({num_blocks})"], e) from e
-        super().__init__(f"in a pool of {num_blocks} blocks", ref, yours)
+        self.evicted: list[int] = []
+        ref = RefAllocator(num_blocks, on_evict=self.evicted.append)
+        super().__init__(f"in a pool of {num_blocks} blocks", ref, sub, _your_pool, num_blocks)
 
     def snapshot(self, side: str) -> dict:
-        return _snapshot(getattr(self, side), self.evicted[side])
+        return _snapshot(self.ref, self.evicted)
 
     def state(self, obj):
         return allocator_state(obj)

@@ -20,15 +20,16 @@ What the checks look at. Your manager and the reference's get the same calls (``
 compared on what it returned or raised, the sequences and their block tables and tokens, every
 block's refcount, the pending copies, the free queue in order, the prefix cache, the
 ``cow_copies`` counter and the trace events the call emitted (the live view draws from those).
-Each exercise is graded on its own: the other methods are the reference's, so a mistake in
-``fork`` does not fail ``cow``. A failure's picture shows both pools (``pool_state``).
+Your manager runs where your code runs (the grader's sandbox has no reference code), so it is
+all yours: ``cow``'s checks fork with your ``fork`` -- take the exercises in order. A failure's
+picture shows both pools (``pool_state``).
 """
 
 from __future__ import annotations
 
 from pagedlearn.core.kv_cache_manager import KVCacheManager as RefKV
 from pagedlearn.labs.lab import CheckFailed, Exercise, Lab, crashed, explore
-from pagedlearn.labs.twins import Twins
+from pagedlearn.labs.twins import Held, Twins
 
 LAB = Lab(
     id="cow",
@@ -81,7 +82,6 @@ LAB = Lab(
         ),
     ),
 )
-TARGETS = {q.split(".")[1] for ex in LAB.exercises for q in ex.targets}
 
 
 def _snapshot(kv, events: list) -> dict:
@@ -121,37 +121,48 @@ HINTS = {
 }
 
 
+def _your_manager(sub, kwargs: dict) -> Held:
+    """Your manager, built where your code runs, recording its trace events."""
+    made = "KVCacheManager(" + ", ".join(f"{k}={v}" for k, v in kwargs.items()) + ")"
+    try:
+        yours = sub.KVCacheManager(**kwargs)
+    except (CheckFailed, NotImplementedError):
+        raise
+    except Exception as e:
+        raise crashed([made], e) from e
+    return Held(yours, _look, log=yours.record())
+
+
+def _look(held: Held, before: bool = False):
+    """Before a call: where its events start, and how many copies were pending; after it: the
+    snapshot of the call's effect."""
+    kv, log = held.obj, held.extra["log"]
+    if before:
+        return len(log.events), len(getattr(kv, "_copies", ()))
+    start, copies = held.before
+    snap = _snapshot(kv, log.events[start:])
+    snap["_copied"] = len(getattr(kv, "_copies", ())) > copies  # for the hints, not compared
+    return snap
+
+
 class _Managers(Twins):
-    """Your KV-cache manager and the reference's, made with the same arguments; ``mine``: the
-    methods of yours under test (the other targets run the reference's code on your manager)."""
+    """Your KV-cache manager and the reference's, made with the same arguments."""
 
     queries = frozenset({"blocks_to_append"})
 
-    def __init__(self, sub, mine: set, num_blocks: int, block_size: int, **options) -> None:
+    def __init__(self, sub, num_blocks: int, block_size: int, **options) -> None:
         kwargs = {"num_blocks": num_blocks, "block_size": block_size, **options}
         made = "KVCacheManager(" + ", ".join(f"{k}={v}" for k, v in kwargs.items()) + ")"
         ref = RefKV(**kwargs)
-        try:
-            yours = sub.KVCacheManager(**kwargs)
-        except (CheckFailed, NotImplementedError):
-            raise
-        except Exception as e:
-            raise crashed([made], e) from e
-        super().__init__(f"with {made}", ref, yours)
-        self.logs = {"ref": ref.record(), "yours": yours.record()}
-        self.mine, self.start, self.copies_before = mine, 0, [0, 0]
-
-    def method(self, name: str):
-        if name in TARGETS and name not in self.mine:  # the reference's code, on your manager
-            return getattr(RefKV, name).__get__(self.yours)
-        return getattr(self.yours, name)
+        super().__init__(f"with {made}", ref, sub, _your_manager, kwargs)
+        self.log, self.start, self.copies_before = ref.record(), 0, 0
 
     def context(self, name: str):
-        self.start = len(self.logs["ref"].events)  # both logs are equal up to here
-        self.copies_before = [len(self.ref._copies), len(getattr(self.yours, "_copies", ()))]
+        self.start = len(self.log.events)
+        self.copies_before = len(self.ref._copies)
 
     def snapshot(self, side: str) -> dict:
-        return _snapshot(getattr(self, side), self.logs[side].events[self.start :])
+        return _snapshot(self.ref, self.log.events[self.start :])
 
     def state(self, obj):
         from dataclasses import replace
@@ -165,8 +176,7 @@ class _Managers(Twins):
 
     def _copied(self) -> tuple[bool, bool]:
         """Whether the call just made copied a block: (the reference, yours)."""
-        ref, yours = len(self.ref._copies), len(getattr(self.yours, "_copies", ()))
-        return ref > self.copies_before[0], yours > self.copies_before[1]
+        return len(self.ref._copies) > self.copies_before, bool(self.last["snap"]["_copied"])
 
     def _copy_hint(self) -> str:
         ref, yours = self._copied()
@@ -209,14 +219,13 @@ class _Managers(Twins):
         return f" ({HINTS[name]})" if name in HINTS else ""
 
 
-def _script(sub, mine: set, calls, *config, **options) -> _Managers:
-    kv = _Managers(sub, mine, *config, **options)
+def _script(sub, calls, *config, **options) -> _Managers:
+    kv = _Managers(sub, *config, **options)
     for name, *args in calls:
         kv.call(name, *args)
     return kv
 
 
-FORK, COW, PLAN = {"fork", "free_sequence"}, {"append_token"}, {"blocks_to_append"}
 A5 = ("add_sequence", "a", [1, 2, 3, 4, 5])
 
 
@@ -224,14 +233,14 @@ A5 = ("add_sequence", "a", [1, 2, 3, 4, 5])
 @LAB.check("fork", points=2)
 def fork_shares_every_block(sub):
     calls = [A5, ("fork", "a", "b"), ("fork", "b", "c"), ("add_sequence", "d", [7, 8])]
-    _script(sub, FORK, calls, 8, 4)
+    _script(sub, calls, 8, 4)
 
 
 @LAB.check("fork", points=2)
 def fork_refuses_bad_ids_and_changes_nothing(sub):
     calls = [A5, ("fork", "x", "b"), ("fork", "a", "a"), ("add_sequence", "b", [6])]
     calls += [("fork", "a", "b"), ("fork", "a", ["c"]), ("fork", "b", "c")]
-    _script(sub, FORK, calls, 8, 4)
+    _script(sub, calls, 8, 4)
 
 
 @LAB.check("fork", points=2)
@@ -239,14 +248,14 @@ def free_sequence_drops_one_reference_per_block(sub):
     calls = [A5, ("fork", "a", "b"), ("free_sequence", "a"), ("free_sequence", "a")]
     calls += [("add_sequence", "c", [1, 2, 3]), ("free_sequence", "b"), ("swap_out", ["c"])]
     calls += [("free_sequence", "c"), ("add_sequence", "d", [4])]
-    _script(sub, FORK, calls, 6, 2, num_cpu_blocks=4)
+    _script(sub, calls, 6, 2, num_cpu_blocks=4)
 
 
 @LAB.check("fork", points=2)
 def free_sequence_frees_the_tail_first(sub):
     calls = [("add_sequence", "a", [1, 2, 3, 4, 5, 6, 7]), ("free_sequence", "a")]
     calls += [("add_sequence", "c", [9, 9, 9]), ("add_sequence", "d", [1, 2, 3, 4, 5])]
-    _script(sub, FORK, calls, 5, 2, enable_prefix_caching=True)
+    _script(sub, calls, 5, 2, enable_prefix_caching=True)
 
 
 # --- cow ----------------------------------------------------------------------------------------
@@ -254,28 +263,28 @@ def free_sequence_frees_the_tail_first(sub):
 def append_fills_the_last_block_then_takes_a_new_one(sub):
     calls = [("add_sequence", "a", [1, 2, 3]), ("append_token", "a", 4), ("append_token", "a", 5)]
     calls += [("add_sequence", "b", [6]), ("append_token", "a", 6), ("append_token", "b", 7)]
-    _script(sub, COW, calls, 8, 4)
+    _script(sub, calls, 8, 4)
 
 
 @LAB.check("cow", points=3)
 def first_write_into_a_shared_partial_block_copies(sub):
     calls = [A5, ("fork", "a", "b"), ("append_token", "b", 9), ("pop_copies",)]
     calls += [("fork", "b", "c"), ("fork", "b", "d"), ("append_token", "c", 8)]
-    _script(sub, COW, calls, 8, 4)
+    _script(sub, calls, 8, 4)
 
 
 @LAB.check("cow", points=2)
 def last_sharer_writes_in_place(sub):
     calls = [A5, ("fork", "a", "b"), ("fork", "a", "c"), ("append_token", "b", 9)]
     calls += [("append_token", "a", 7), ("append_token", "c", 8), ("append_token", "a", 6)]
-    _script(sub, COW, calls, 8, 4)
+    _script(sub, calls, 8, 4)
 
 
 @LAB.check("cow", points=2)
 def a_shared_full_block_is_not_copied(sub):
     calls = [("add_sequence", "a", [1, 2, 3, 4]), ("fork", "a", "b"), ("append_token", "b", 9)]
     calls += [("append_token", "a", 5), ("append_token", "a", 6)]
-    _script(sub, COW, calls, 8, 4)
+    _script(sub, calls, 8, 4)
 
 
 @LAB.check("cow", points=2)
@@ -284,14 +293,14 @@ def append_errors_change_nothing(sub):
     calls += [("append_token", "b", 9), ("append_token", "c", 6), ("append_token", "c", 7)]
     calls += [("append_token", "x", 1), ("append_token", "c", -1), ("free_sequence", "a")]
     calls += [("append_token", "b", 9)]
-    _script(sub, COW, calls, 3, 2)
+    _script(sub, calls, 3, 2)
 
 
 @LAB.check("cow", points=2)
 def a_block_that_fills_up_is_cached(sub):
     calls = [("add_sequence", "a", [1, 2, 3]), ("append_token", "a", 4), ("append_token", "a", 5)]
     calls += [("add_sequence", "b", [1, 2, 3, 4, 5]), ("fork", "b", "c"), ("append_token", "c", 6)]
-    _script(sub, COW, calls, 8, 2, enable_prefix_caching=True)
+    _script(sub, calls, 8, 2, enable_prefix_caching=True)
 
 
 # --- plan ---------------------------------------------------------------------------------------
@@ -304,7 +313,7 @@ def blocks_to_append_counts_new_blocks_and_copies(sub):
     calls += [("blocks_to_append", []), ("blocks_to_append", ["a", "x"])]
     calls += [("blocks_to_append", "ab"), ("append_token", "b", 9), ("blocks_to_append", ["a"])]
     calls += [("blocks_to_append", ["b"]), ("blocks_to_append", ["c", "a", "b", "c"])]
-    _script(sub, PLAN, calls, 12, 4)
+    _script(sub, calls, 12, 4)
 
 
 # --- random call sequences, shrunk --------------------------------------------------------------
@@ -345,11 +354,11 @@ def _resolve(kv, kind: str, flag: int, ints: list[int], fresh: str):
     return (kind,)  # pop_copies
 
 
-def _explore(sub, mine: set, kinds: list[str]) -> None:
+def _explore(sub, kinds: list[str]) -> None:
     def run(example):
         (num_blocks, block_size, caching), drawn = example
         options = {"enable_prefix_caching": True} if caching else {}
-        kv = _Managers(sub, mine, num_blocks, block_size, **options)
+        kv = _Managers(sub, num_blocks, block_size, **options)
         names = iter("abcdefghijklmnopqrstuvw")
         fresh = next(names)
         for kind, flag, ints in drawn:
@@ -363,18 +372,18 @@ def _explore(sub, mine: set, kinds: list[str]) -> None:
 
 @LAB.check("fork", points=3, timeout_s=40)
 def fork_and_free_match_the_reference_on_random_calls(sub):
-    _script(sub, FORK, [("add_sequence", "a", [1]), ("fork", "a", "b")], 4, 2)  # stubs stop here
-    _explore(sub, FORK, ["add_sequence", "fork", "free_sequence", "append_token", "pop_copies"])
+    _script(sub, [("add_sequence", "a", [1]), ("fork", "a", "b")], 4, 2)  # stubs stop here
+    _explore(sub, ["add_sequence", "fork", "free_sequence", "append_token", "pop_copies"])
 
 
 @LAB.check("cow", points=3, timeout_s=40)
 def append_matches_the_reference_on_random_calls(sub):
-    _script(sub, COW, [("add_sequence", "a", [1]), ("append_token", "a", 2)], 4, 2)
-    _explore(sub, COW, ["add_sequence", "append_token", "fork", "free_sequence", "pop_copies"])
+    _script(sub, [("add_sequence", "a", [1]), ("append_token", "a", 2)], 4, 2)
+    _explore(sub, ["add_sequence", "append_token", "fork", "free_sequence", "pop_copies"])
 
 
 @LAB.check("plan", points=3, timeout_s=40)
 def blocks_to_append_matches_the_reference_on_random_calls(sub):
-    _script(sub, PLAN, [("add_sequence", "a", [1]), ("blocks_to_append", ["a"])], 4, 2)
+    _script(sub, [("add_sequence", "a", [1]), ("blocks_to_append", ["a"])], 4, 2)
     kinds = ["add_sequence", "blocks_to_append", "fork", "append_token", "free_sequence"]
-    _explore(sub, PLAN, kinds)
+    _explore(sub, kinds)

@@ -10,28 +10,63 @@ the pool's invariants after every step. A run also stops (and says why) when a s
 requests still wait after a step limit (admission never lets them in), when a request is lost
 from every queue, or when blocks are still held after the last request finished.
 
-:func:`compare` serves the same workload with the student's class and with the package's own
-scheduler (whose run is computed once per process: decoding is greedy, so it never changes), and
-names the *first* difference: a step that admitted, preempted or finished other requests (shown
-beside the reference's step, with the queues before it), else other tokens, else other
-preemption counts. Recompute is exact, so a preempted request must generate exactly the tokens
-it would have generated without being preempted.
+:func:`compare` serves the same workload twice. The student's run happens where their code runs
+(:func:`~pagedlearn.labs.remote.in_student` calls :func:`observe_serve` there, which builds their
+class with :func:`yours` and sends back the :class:`Served` record as plain data); the package's
+own scheduler serves it here, in the grading process (computed once per process: decoding is
+greedy, so it never changes). The check then names the *first* difference: a step that admitted,
+preempted or finished other requests (shown beside the reference's step, with the queues before
+it), else other tokens, else other preemption counts. Recompute is exact, so a preempted request
+must generate exactly the tokens it would have generated without being preempted.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 
 from pagedlearn.engine.sampling_params import SamplingParams
 from pagedlearn.engine.scheduler import Scheduler
 from pagedlearn.errors import PagedLearnError
+from pagedlearn.labs.handout import is_stub_function
 from pagedlearn.labs.lab import CheckFailed, crashed
+from pagedlearn.labs.remote import in_student
 
 
 def _ids(reqs) -> list:
     """Request ids, for messages and step records (anything else as it is)."""
     return [getattr(r, "request_id", r) for r in reqs]
+
+
+def plain(x, depth: int = 0):
+    """``x`` as plain data, what may cross from the student's process: None, bool, int, float,
+    str and bytes as they are; lists, tuples, dicts and sets of them, rebuilt; anything else (an
+    object the student's code put where a request id belongs, say) as its ``repr``."""
+    if x is None or type(x) in (bool, int, float, str, bytes):
+        return x
+    if depth < 20 and type(x) in (list, tuple, set, frozenset):
+        return type(x)(plain(v, depth + 1) for v in x)
+    if depth < 20 and type(x) is dict:
+        return {plain(k, depth + 1): plain(v, depth + 1) for k, v in x.items()}
+    return repr(x)
+
+
+def yours(sub, methods: tuple[str, ...] = ()) -> type:
+    """The student's scheduler class. With ``methods``: the ``Scheduler`` of *this* process with
+    only those methods the student's, so that each exercise is graded on its own -- in the
+    repository that Scheduler is the package's; where its other graded methods are stubs (a
+    student edition, the grader's sandbox) they are the student's too, and a run that reaches
+    one still a stub says which is not written yet. Without: the student's whole Scheduler.
+    Built where the student's code runs (in an observe function)."""
+    theirs = sub.Scheduler
+    if not methods:
+        return theirs
+    attrs = {m: getattr(theirs, m) for m in methods}
+    for m in ("_can_admit", "_choose_victim", "_preempt_by_recompute"):  # the lab's methods
+        if m not in attrs and is_stub_function(getattr(Scheduler, m)):  # not here: theirs
+            attrs[m] = getattr(theirs, m)
+    return type("YourScheduler", (Scheduler,), attrs)
 
 
 @functools.cache
@@ -151,34 +186,51 @@ def _line(step: tuple) -> str:
     return f"{what} -> running {running}, waiting {waiting}, {free} free blocks"
 
 
+def _record(run: Served) -> dict:
+    """``run`` as plain data: a dict of its fields."""
+    return {f.name: plain(getattr(run, f.name)) for f in dataclasses.fields(run)}
+
+
 @functools.cache
 def _reference_run(w: Workload) -> Served:
-    return serve(Scheduler, w)
+    return Served(**_record(serve(Scheduler, w)))  # as plain as the student's, to compare
 
 
-def compare(cls: type, w: Workload) -> None:
-    """Serve ``w`` with scheduler class ``cls`` and with the package's; raise CheckFailed at
-    the first difference: a step that moved other requests, other tokens, other counts."""
-    ref, yours = _reference_run(w), serve(cls, w)
-    for i, (a, b) in enumerate(zip(ref.steps, yours.steps, strict=False)):
+def observe_serve(sub, methods: tuple, workload: tuple) -> dict:
+    """(Runs where the student's code is.) Serve ``workload`` -- a :class:`Workload` as the
+    tuple ``(num_blocks, block_size, requests)`` -- with :func:`yours` ``(sub, methods)``; the
+    :class:`Served` record as a plain dict."""
+    num_blocks, block_size, requests = workload
+    w = Workload(num_blocks, block_size, tuple(tuple(r) for r in requests))
+    return _record(serve(yours(sub, tuple(methods)), w))
+
+
+def compare(sub, methods: tuple[str, ...], w: Workload) -> None:
+    """Serve ``w`` with the student's scheduler (:func:`yours` ``(sub, methods)``, in their
+    process) and with the package's (here); raise CheckFailed at the first difference: a step
+    that moved other requests, other tokens, other counts."""
+    workload = (w.num_blocks, w.block_size, w.requests)
+    ref, run = _reference_run(w), Served(**in_student(sub, observe_serve, methods, workload))
+    run.steps = [tuple(step) for step in run.steps]
+    for i, (a, b) in enumerate(zip(ref.steps, run.steps, strict=False)):
         if a != b:
             before = _line(ref.steps[i - 1]).split("-> ")[1] if i else "all waiting"
-            then = f"\nand then: {yours.error}" if yours.error else ""
+            then = f"\nand then: {run.error}" if run.error else ""
             raise CheckFailed(
                 f"{w}\nstep {i + 1} (before it: {before}):\n  the reference {_line(a)}\n"
                 f"  yours {_line(b)}{then}"
             )
-    if yours.error or len(yours.steps) != len(ref.steps):
-        raise CheckFailed(f"{w}\n{yours.error or 'your run ended after the reference'}")
+    if run.error or len(run.steps) != len(ref.steps):
+        raise CheckFailed(f"{w}\n{run.error or 'your run ended after the reference'}")
     for rid, want in ref.tokens.items():
-        if yours.tokens[rid] != want:
+        if (got := run.tokens.get(rid)) != want:
             raise CheckFailed(
-                f"{w}\nrequest {rid!r} generated {yours.tokens[rid]}; the reference {want} (a "
+                f"{w}\nrequest {rid!r} generated {got}; the reference {want} (a "
                 "preempted request keeps its tokens and prefills them again)"
             )
     for what, a, b in (
-        ("scheduler.num_preemptions", ref.counted, yours.counted),
-        ("each request's metrics.num_preemptions", ref.preemptions, yours.preemptions),
+        ("scheduler.num_preemptions", ref.counted, run.counted),
+        ("each request's metrics.num_preemptions", ref.preemptions, run.preemptions),
     ):
         if a != b:
             raise CheckFailed(f"{w}\nat the end, {what} should be {a}; yours is {b}")

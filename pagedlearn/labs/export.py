@@ -44,17 +44,28 @@ precisely what is wrong, then your code serves a real model.
    every function a lab grades is a stub until you write it, and whatever needs one says so by
    name: "BlockAllocator.allocate is lab 1, allocator: not written yet -- ...".
 2. Open a lab's notebook (`jupyter lab`), read it, and fill in the exercise cells. Each ends with
-   `check("...")`: run the cell, and read what it prints. A failure shows the shortest sequence
-   of operations that goes wrong, what was expected and what your code gave (for the memory
-   labs, a picture of your pool beside the reference's).
-3. Prefer plain files? Each folder has the same code as `.py` files, with the same stubs.
+   `check("...")`: run the cell, and read what it prints. The student edition has no reference
+   to compare with, so `check()` asks your code the questions the grader asks and compares with
+   the reference's answers, recorded when this folder was made: a failure names the operations
+   that went wrong, what the reference answered and what your code did.
+3. Prefer plain files? Each folder has the same code as `.py` files, with the same stubs; they are
+   the package's own files (`pagedlearn-student/pagedlearn/core/block_allocator.py` ...), so you
+   can also write your answers there directly, and the engine runs them at once.
+4. The labs build on each other: the cow lab's manager takes its blocks from *your* lab 1
+   allocator, and its prefix-caching checks need your lab 3 prefix cache (they say so by name
+   until you have written it; your instructor's grader runs them on the package's own). Keep your
+   answers of earlier labs in the package's files, or name their files when you grade.
 
 ## How to grade yourself (as your instructor will)
 
     python -m pagedlearn grade allocator 01_allocator/01_allocator.ipynb
     python -m pagedlearn grade allocator 01_allocator/block_allocator.py 01_allocator/block_table.py
+    python -m pagedlearn grade cow 01_allocator/*.py 02_cow/kv_cache_manager.py 03_prefix/*.py
 
 Exit status 0: every check passed; 1: some failed; 2: the submission could not be loaded.
+Your instructor's grader is stricter than this one: it runs its checks with the reference, and
+draws random cases this recording does not hold; an exercise whose functions your submission
+imports or copies from pagedlearn gets 0 points there.
 Submit what your instructor asks for: the notebook, or the `.py` files.
 """
 

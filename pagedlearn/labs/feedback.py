@@ -12,6 +12,9 @@ limit, and prints one line per check; under a failure, its message (the smallest
 sequence that goes wrong, the expected and the actual result) and, for the memory labs, the
 picture of the student's pool beside the reference's.
 
+In the student edition (no reference to compare with) each check replays the reference's
+recorded answers instead (expected.py): the same questions, the first different answer.
+
 A stub still in place stops "Run all" there, with the stub's task as the whole message (no
 traceback): the cells below build on this one. While a notebook is being graded
 (``PAGEDLEARN_GRADING=1``, see submission.py) ``check`` does nothing.
@@ -19,6 +22,7 @@ traceback): the cells below build on this one. While a notebook is being graded
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 
@@ -52,7 +56,7 @@ def start(lab_id: str, namespace: dict):
             return None
         lab.exercise(exercise)  # a typo raises, naming the exercises
         sub = Submission(namespace, "your notebook")
-        outcomes = [run_check(c, sub) for c in lab.checks_of(exercise)]
+        outcomes = [run_check(c, sub) for c in checks(lab, exercise)]
         report(outcomes, sys.stdout)
         todo = [o for o in outcomes if o.status == NOT_DONE]
         if todo:
@@ -60,6 +64,22 @@ def start(lab_id: str, namespace: dict):
         return None
 
     return check
+
+
+def checks(lab, exercise: str | None = None) -> list:
+    """``lab``'s checks (of ``exercise``): as they are, or -- in a student edition, which has no
+    reference to compare with -- each replaying the reference's recorded answers (expected.py)."""
+    from pagedlearn.labs.student_edition import is_student_edition
+
+    if not is_student_edition():
+        return lab.checks_of(exercise)
+    from pagedlearn.labs import expected
+
+    recorded = expected.load(lab.id)
+    return [
+        dataclasses.replace(c, func=expected.replay_check(recorded.get(c.name, [])))
+        for c in lab.checks_of(exercise)
+    ]
 
 
 def report(outcomes: list[Outcome], out) -> None:

@@ -1,16 +1,27 @@
-"""The grader: run a lab's checks on a submission in a child process, with a time limit per check.
+"""The grader: run a lab's checks here, and the student's code in a sandbox, with a time limit each.
 
 ::
 
     python -m pagedlearn grade LAB SUBMISSION... [--json results.json]
     python -m pagedlearn grade LAB --reference
 
-Why a child process: a student's code may loop forever, exhaust memory, call ``sys.exit`` or
-crash the interpreter. The checks run in a worker (worker.py) that reports each verdict as one
-line of JSON; this side waits for each line at most the check's time limit (plus a margin for
-code stuck where the worker's own ``SIGALRM`` cannot reach). A check that overruns or kills the
-worker loses its points with a message that says so; a fresh worker carries on with the next
-check. So a broken submission costs points, never the grader.
+Who decides what. Every check runs in *this* process, which has the reference: it computes the
+expected answer, compares, writes the message and the score. The submission runs in a worker
+(worker.py) that has only the *student edition* of pagedlearn on its path -- every function any
+lab grades is a stub there -- and answers the checks' requests with what the student's code
+returned or raised (remote.py). So importing the package, exec-ing its files or subclassing the
+names a notebook starts with gets the stubs, and nothing the worker writes can be a verdict: a
+score is the sum of the checks this process saw pass, never more than their points.
+
+The sandbox (sandbox.py): the worker runs in its own session, with limits, a minimal environment,
+copies of the submitted files and (as root) an unprivileged user; after the last check every
+process it started is killed, and only then is ``--json`` written.
+
+Copies. Before anything runs, copies.py reads the submitted files: an exercise whose graded
+functions the submission imports or copies from the package scores 0, and the report says why.
+
+A check that overruns its limit, or whose request kills the worker, loses its points with a
+message that says so; a fresh worker carries on with the next check.
 
 Exit status: 0 when every check passes, 1 when some fail, 2 when the submission cannot be loaded
 (missing file, syntax error, an error while it loads: a one-line message, no traceback).
@@ -23,21 +34,17 @@ last line unchanged (README, "For instructors").
 from __future__ import annotations
 
 import json
-import os
-import selectors
-import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from pagedlearn.labs import copies, get
 from pagedlearn.labs.lab import Lab
-from pagedlearn.labs.runner import ERROR, FAILED, NOT_DONE, PASSED, Outcome
+from pagedlearn.labs.runner import ERROR, NOT_DONE, PASSED, Outcome
+from pagedlearn.labs.sandbox import Sandbox
 from pagedlearn.labs.submission import SubmissionError
 
-LOAD_TIMEOUT_S = 60.0  # importing torch / triton and the submission
 MARGIN_S = 10.0  # past a check's own limit before the worker is killed
 
 
@@ -48,6 +55,7 @@ class Report:
     outcomes: list[Outcome] = field(default_factory=list)
     seconds: float = 0.0
     load_error: str | None = None
+    warnings: list[str] = field(default_factory=list)  # for the instructor (stderr), not students
 
     @property
     def score(self) -> int:
@@ -112,122 +120,64 @@ def grade(
     paths: list[str] | None = None,
     reference: bool = False,
     time_limit: float | None = None,
+    log: dict | None = None,
 ) -> Report:
     """Grade ``paths`` (or the package's own code) on lab ``lab_id``; never raises for anything a
     submission does (a load failure is ``report.load_error``). ``time_limit`` caps every
-    check's own limit (the tests use it to keep a looping submission quick to grade)."""
+    check's own limit (the tests use it to keep a looping submission quick to grade). ``log``:
+    a dict that gets each check's conversation with the worker (expected.py records the
+    reference's)."""
+    from pagedlearn.labs.feedback import checks
+    from pagedlearn.labs.remote import WorkerGone, cut
+    from pagedlearn.labs.runner import FAILED, run_check
+    from pagedlearn.labs.student_edition import is_student_edition
+
     lab = get(lab_id)
     origin = "the reference (the package's own code)" if reference else ", ".join(paths or [])
     report = Report(lab, origin)
     start = time.perf_counter()
-    # An exercise whose graded functions the submission imports or copies from the package
-    # scores 0 without running (copies.py reads the files; it never runs them).
-    copied = {} if reference else copies.find_copies(lab, list(paths or []))
-    report.outcomes += [
-        Outcome(c.name, c.exercise, FAILED, 0, c.points, copied[c.exercise])
-        for c in lab.checks
-        if c.exercise in copied
-    ]
-    remaining = [c.name for c in lab.checks if c.exercise not in copied]
-    limits = {c.name: min(c.timeout_s, time_limit or c.timeout_s) for c in lab.checks}
-    by_name = {c.name: c for c in lab.checks}
-    first = True
-    while remaining:
-        with _Worker(lab_id, paths or [], reference, remaining, time_limit) as worker:
-            loaded = worker.read(LOAD_TIMEOUT_S)
-            if loaded is None or "load_error" in loaded:
-                why = (
-                    loaded["load_error"]
-                    if loaded
-                    else worker.died_or_timed_out(f"loading it took over {LOAD_TIMEOUT_S:g} s")
+    if reference and is_student_edition():
+        report.load_error = "the student edition has no reference to grade"
+        return report
+    copied = {} if reference else copies.find_copies(lab, [Path(p) for p in paths or []])
+    with Sandbox(lab_id, paths or [], reference) as box:
+        report.warnings = box.warnings
+        worker = None
+        for c in checks(lab):  # in a student edition: replays of the reference's answers
+            if c.exercise in copied:
+                report.outcomes.append(
+                    Outcome(c.name, c.exercise, FAILED, 0, c.points, copied[c.exercise])
                 )
-                if first:
-                    report.outcomes = []
-                    report.load_error = why
-                    report.seconds = time.perf_counter() - start
-                    return report
-                raise RuntimeError(f"the grader's worker failed to restart: {why}")
-            first = False
-            for name in list(remaining):
-                line = worker.read(limits[name] + MARGIN_S)
-                remaining.remove(name)
-                if line is None:  # overran its limit in a way SIGALRM could not stop, or died
-                    c = by_name[name]
-                    why = worker.died_or_timed_out(f"took longer than {limits[name]:g} s")
-                    report.outcomes.append(
-                        Outcome(c.name, c.exercise, ERROR, 0, c.points, why, limits[name])
-                    )
-                    break  # a fresh worker for the rest
-                report.outcomes.append(Outcome(**line))
-    order = {c.name: i for i, c in enumerate(lab.checks)}
-    report.outcomes.sort(key=lambda o: order[o.check])
+                continue
+            if worker is None:
+                worker, why = box.start()
+                if worker is None:
+                    if not report.outcomes or all(o.exercise in copied for o in report.outcomes):
+                        report.load_error = box.unsandboxed(why)
+                        break
+                    raise RuntimeError(f"the grader's worker failed to restart: {why}")
+            limit = min(c.timeout_s, time_limit or c.timeout_s)
+            worker.ch.deadline = time.monotonic() + limit + MARGIN_S
+            worker.ch.log = None
+            try:
+                worker.ch.call("reset")  # each check numbers the student's objects from 1
+            except WorkerGone as e:  # it wrote lines of its own into the pipe, or died
+                why = str(e) if str(e) != "timeout" else "the worker stopped answering"
+                outcome = Outcome(c.name, c.exercise, ERROR, 0, c.points, why)
+            else:
+                worker.ch.log = None if log is None else log.setdefault(c.name, [])
+                outcome = run_check(c, worker.sub, limit)
+            outcome.message = cut(box.unsandboxed(outcome.message), MAX_MESSAGE)
+            outcome.score = min(outcome.score, c.points)  # by construction; said once more
+            report.outcomes.append(outcome)
+            if worker.ch.busy or worker.proc.poll() is not None:  # stopped mid-answer: a new one
+                box.stop(worker)
+                worker = None
     report.seconds = time.perf_counter() - start
     return report
 
 
-class _Worker:
-    """A child ``python -m pagedlearn.labs.worker`` and the JSON lines it writes."""
-
-    def __init__(self, lab_id, paths, reference, checks, time_limit) -> None:
-        job = json.dumps({"checks": checks, "time_limit": time_limit})
-        cmd = [sys.executable, "-m", "pagedlearn.labs.worker", lab_id, job]
-        cmd += ["--reference"] if reference else [str(p) for p in paths]
-        # What the submission printed, shown when it crashes; closed in __exit__.
-        self.stderr = tempfile.TemporaryFile()  # noqa: SIM115
-        root = str(Path(__file__).resolve().parents[2])
-        env = {
-            # One thread for torch's CPU ops: the checks run tiny shapes, where more threads only
-            # contend (on a busy 2-core machine a forward pass went from 2 ms to 200 ms).
-            "OMP_NUM_THREADS": "1",
-            # Grading needs no model hub: a lab notebook's setup() need not probe it.
-            "PAGEDLEARN_OFFLINE": "1",
-            **os.environ,
-            "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]),
-        }
-        self.proc = subprocess.Popen(
-            cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=self.stderr, env=env
-        )
-        self.sel = selectors.DefaultSelector()
-        self.sel.register(self.proc.stdout, selectors.EVENT_READ)
-        self.buf = b""
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
-        self.proc.stdout.close()
-        self.stderr.close()
-
-    def read(self, timeout: float) -> dict | None:
-        """The next JSON line, or None when the worker is silent for ``timeout`` s or exits."""
-        deadline = time.monotonic() + timeout
-        while b"\n" not in self.buf:
-            left = deadline - time.monotonic()
-            if left <= 0 or not self.sel.select(left):
-                self.proc.kill()
-                return None
-            chunk = os.read(self.proc.stdout.fileno(), 65536)
-            if not chunk:  # EOF: the worker exited
-                self.proc.wait()
-                return None
-            self.buf += chunk
-        line, self.buf = self.buf.split(b"\n", 1)
-        return json.loads(line)
-
-    def died_or_timed_out(self, timed_out: str) -> str:
-        """Why the worker went silent, for the student."""
-        code = self.proc.wait()
-        if code not in (-9, None) and code != 0:
-            self.stderr.seek(0)
-            tail = self.stderr.read().decode(errors="replace").strip().splitlines()[-1:]
-            last = f"; its last words: {tail[0][:200]}" if tail else ""
-            return f"your code ended the Python process (exit status {code}){last}"
-        if code == 0:
-            return "your code ended the Python process (sys.exit or os._exit)"
-        return timed_out + ": an endless loop, or code stuck where it cannot be interrupted?"
+MAX_MESSAGE = 3000  # characters of one check's message (the grader's text, the student's values)
 
 
 def run(lab_id: str, paths: list[str], reference: bool, json_path: str | None) -> int:
@@ -239,6 +189,8 @@ def run(lab_id: str, paths: list[str], reference: bool, json_path: str | None) -
         )
         return 2
     report = grade(lab_id, paths, reference)
+    for warning in report.warnings:
+        print(f"grade: warning: {warning}", file=sys.stderr)
     if json_path:
         Path(json_path).write_text(json.dumps(report.gradescope(), indent=2) + "\n")
     if report.load_error is not None:

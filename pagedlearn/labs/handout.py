@@ -94,6 +94,19 @@ def is_stub(fn: ast.FunctionDef) -> bool:
     return isinstance(name, ast.Name) and name.id == "NotImplementedError"
 
 
+def is_stub_function(fn) -> bool:
+    """Whether the function ``fn`` (a method, or a ``@triton.jit`` function's ``.fn``) is a stub
+    as blanked here; False when its source cannot be read."""
+    import inspect
+
+    try:
+        source = textwrap.dedent(inspect.getsource(getattr(fn, "fn", fn)))
+    except (OSError, TypeError):
+        return False
+    node = next((n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef)), None)
+    return node is not None and is_stub(node)
+
+
 def lab_files(lab: Lab, blank: bool) -> dict[str, str]:
     """Each reference file of ``lab`` (by its name), blanked or as the package has it."""
     out = {}

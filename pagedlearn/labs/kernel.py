@@ -12,18 +12,22 @@ walks through; lab 4's ``paged_attention_online_softmax_ref`` is the same loop i
   ``m_i + log(l_i)`` that flash-decoding merges splits by; no keys: zeros and ``-inf``.
 
 How it is graded. Each check launches the package's ``_paged_decode_kernel`` with *your* helper
-in place of the reference's (the other helper stays the reference's, so each exercise is graded
-on its own) and compares the output with :func:`~pagedlearn.attention.paged_attention_ref` on
-tiny float32 inputs (:mod:`pagedlearn.labs.attention_cases`: shuffled blocks, NaN in unwritten
-slots, scores past ``exp``'s range). Without a CUDA GPU the kernel runs in Triton's CPU
-interpreter (``TRITON_INTERPRET=1``, set before Triton is imported:
-``pagedlearn.cli.notebook.setup()`` in the notebook, the grader by itself); with one, it is
-compiled and runs on the GPU.
+in place of the reference's, where your code runs (:func:`observe_kernel`, called through
+:func:`~pagedlearn.labs.remote.in_student`: the grader's sandboxed process, or the notebook's
+own), and the check, in the grader, compares the output it sends back with
+:func:`~pagedlearn.attention.paged_attention_ref` on tiny float32 inputs
+(:mod:`pagedlearn.labs.attention_cases`: shuffled blocks, NaN in unwritten slots, scores past
+``exp``'s range). The other helper is the one ``kernels.decode_attention`` has where your code
+runs: the reference's in the repository, so that each exercise is graded on its own; in the
+student edition, where it is a stub, the check says that it is not written yet. Without a CUDA
+GPU the kernel runs in Triton's CPU interpreter (``TRITON_INTERPRET=1``, set before Triton is
+imported: ``pagedlearn.cli.notebook.setup()`` in the notebook, the grader by itself); with one,
+it is compiled and runs on the GPU.
 
 The mechanism: the kernel's Python function is rebuilt with a copy of its module's globals in
 which ``_attend_tile`` / ``_split_result`` are yours, and jitted again. It is the same for a
 ``.py`` submission and for the notebook (whose cells define only the helpers), and it never
-touches the reference module. A stub (``raise NotImplementedError``) is found in the helper's
+touches the reference module. A stub (``raise NotImplementedError``) is found in the helpers'
 source before launching: a GPU could not even compile it. In the interpreter, every load and
 store is first checked to fall inside the tensors the kernel was given, so a wrong offset fails
 the check with a message (and the line) instead of reading wild memory or ending the process.
@@ -44,6 +48,7 @@ from pagedlearn import attention as ref
 from pagedlearn.labs.attention_cases import Case, compare, known_mistakes, make_case
 from pagedlearn.labs.handout import is_stub
 from pagedlearn.labs.lab import CheckFailed, Exercise, Lab, student_line
+from pagedlearn.labs.remote import in_student
 
 LAB = Lab(
     id="kernel",
@@ -100,25 +105,38 @@ def _helper(sub, exercise: str):
     name = HELPERS[exercise]
     helper = getattr(sub, name)
     if not hasattr(helper, "fn"):
-        raise CheckFailed(
-            f"{name} must stay a @triton.jit function (keep the decorator); yours is a "
-            f"{type(helper).__name__}"
-        )
+        raise CheckFailed(_not_jit(name, type(helper).__name__))
     _raise_if_stub(name, helper)
     return helper
+
+
+def _not_jit(name: str, kind: str) -> str:
+    return f"{name} must stay a @triton.jit function (keep the decorator); yours is a {kind}"
 
 
 _BUILT: dict = {}  # (tile helper, finish helper) -> the kernel calling them
 
 
 def student_kernel(sub, *exercises: str):
-    """``_paged_decode_kernel`` calling the student's helpers for ``exercises`` (and the
-    reference's for the others)."""
+    """``_paged_decode_kernel`` calling the student's helpers for ``exercises``, and for the
+    others those ``kernels.decode_attention`` has in this process (the reference's in the
+    repository) -- or, where that one is a stub (a student edition, the grader's sandbox), the
+    student's own; a stub left is raised here, before a GPU would fail to compile a ``raise``."""
     import triton
 
     from kernels import decode_attention as da
 
     helpers = {name: getattr(da, name) for name in HELPERS.values()}
+    for ex, name in HELPERS.items():
+        if ex in exercises:
+            continue
+        try:
+            _raise_if_stub(name, helpers[name])
+        except NotImplementedError:  # not in this process: the student's own, if written
+            if name not in sub or not hasattr(getattr(sub, name), "fn"):
+                raise
+            _raise_if_stub(name, getattr(sub, name))
+            helpers[name] = getattr(sub, name)
     helpers.update({HELPERS[ex]: _helper(sub, ex) for ex in exercises})
     key = tuple(helpers.values())
     if key not in _BUILT:
@@ -208,17 +226,22 @@ def _tail_counted(case: Case, tile: int, num_splits: int):
     return out
 
 
-def check_kernel(sub, exercise: str, case: Case, num_splits: int = 1, hint: str = "") -> None:
-    """Launch the kernel with the student's helper on ``case``; CheckFailed if it is wrong."""
+def observe_kernel(sub, exercise: str, args: tuple, num_splits: int) -> dict:
+    """(Runs where the student's code is.) Launch the kernel with the student's helper for
+    ``exercise`` on a case's tensors ``args`` (``Case.args()``). Returns ``{"out": the output,
+    on the CPU}``, or what went wrong: ``{"not_jit": the helper's type}``, ``{"wild": the
+    guard's message}`` (a load or store outside the tensors), ``{"raised": "Type: message (at
+    the line)"}``. A stub raises its NotImplementedError."""
     from kernels import decode_attention as da
 
+    helper = getattr(sub, HELPERS[exercise])
+    if not hasattr(helper, "fn"):
+        return {"not_jit": type(helper).__name__}
     kernel = student_kernel(sub, exercise)
-    where = (
-        f"the kernel with your {HELPERS[exercise]}, num_splits={num_splits}, on {case.setting()}"
-    )
+    args = tuple(a.to(_device()) for a in args)
     try:
         with np.errstate(all="ignore"):  # the interpreter's numpy would warn of overflows
-            out = da.launch_decode(kernel, *case.args(), None, num_splits)
+            out = da.launch_decode(kernel, *args, None, num_splits)
     except (CheckFailed, NotImplementedError):
         raise
     except Exception as e:
@@ -226,10 +249,30 @@ def check_kernel(sub, exercise: str, case: Case, num_splits: int = 1, hint: str 
         if isinstance(root, NotImplementedError):
             raise root from None
         if isinstance(root, WildAccess):
-            raise CheckFailed(f"{where}: {root}{student_line(root)}; {hint}") from e
-        raise CheckFailed(
-            f"{where}: your code raised {type(root).__name__}: {root}{student_line(root)}"
-        ) from e
+            return {"wild": f"{root}{student_line(root)}"}
+        return {"raised": f"{type(root).__name__}: {root}{student_line(root)}"}
+    return {"out": out.detach().cpu() if torch.is_tensor(out) else repr(out)}
+
+
+def check_kernel(sub, exercise: str, case: Case, num_splits: int = 1, hint: str = "") -> None:
+    """Launch the kernel with the student's helper on ``case`` (in their process, through
+    :func:`observe_kernel`); here, CheckFailed if its output is not the reference's."""
+    from kernels import decode_attention as da
+
+    where = (
+        f"the kernel with your {HELPERS[exercise]}, num_splits={num_splits}, on {case.setting()}"
+    )
+    args = tuple(t.cpu() for t in case.args())
+    obs = in_student(sub, observe_kernel, exercise, args, num_splits)
+    if "not_jit" in obs:
+        raise CheckFailed(_not_jit(HELPERS[exercise], obs["not_jit"]))
+    if "wild" in obs:
+        raise CheckFailed(f"{where}: {obs['wild']}; {hint}")
+    if "raised" in obs:
+        raise CheckFailed(f"{where}: your code raised {obs['raised']}")
+    out = obs["out"]
+    if torch.is_tensor(out):
+        out = out.to(case.q.device)
     shape = da.check_decode(*case.args(), None, False)
     tile = da.launch_constants(shape, case.q.dtype, _device() == "cpu", num_splits)["decode"]
     tile = tile["TILE_N"]

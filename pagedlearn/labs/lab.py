@@ -152,8 +152,8 @@ STUDENT_FILES: set[str] = set()
 
 def student_line(exc: BaseException) -> str:
     """`` (at <file>, line N: <code>)`` for the last frame of the student's code in ``exc``'s
-    traceback, or ``""``."""
-    found = ""
+    traceback, or ``""`` (an exception rebuilt from the worker's answer carries it)."""
+    found = getattr(exc, "student_where", "")
     for frame in traceback.extract_tb(exc.__traceback__):
         if frame.filename in STUDENT_FILES:
             code = f": {frame.line.strip()}" if frame.line else ""

@@ -29,6 +29,7 @@ from pagedlearn.core.block_table import BlockTable
 from pagedlearn.core.kv_cache_manager import KVCacheManager
 from pagedlearn.core.prefix_cache import PrefixCache
 from pagedlearn.labs import get
+from pagedlearn.labs.feedback import checks
 from pagedlearn.labs.runner import run_check
 from pagedlearn.labs.submission import Submission, SubmissionError, load
 
@@ -39,7 +40,8 @@ def _names(lab_id: str, part) -> dict | None:
 
     An answer read from files is graded first (in this process, a few seconds), and used only
     if it passes every check: a lab not done yet -- a missing file, a stub, a failing check --
-    falls back to the reference, with a line that says so, instead of breaking the model."""
+    falls back to the package's own, with a line that says so, instead of breaking the model (the
+    reference; in a student edition its stubs, which say by name what is not written yet)."""
     if part is None:
         return None
     if isinstance(part, dict):
@@ -53,12 +55,12 @@ def _names(lab_id: str, part) -> dict | None:
     try:
         sub = load(lab, [Path(p) for p in paths])
     except SubmissionError as e:
-        print(f"{lab_id}: {e}; using the reference's")
+        print(f"{lab_id}: {e}; using the package's")
         return None
-    outcomes = [run_check(c, sub) for c in lab.checks]
+    outcomes = [run_check(c, sub) for c in checks(lab)]  # (replayed in a student edition)
     score = sum(o.score for o in outcomes)
     if score < lab.max_score:
-        print(f"{lab_id}: yours scores {score}/{lab.max_score} so far; using the reference's")
+        print(f"{lab_id}: yours scores {score}/{lab.max_score} so far; using the package's")
         return None
     return sub._ns
 

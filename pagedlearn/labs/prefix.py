@@ -186,7 +186,7 @@ def hash_blocks_chains_each_block_on_the_previous(sub):
 @LAB.check("lookup", points=2, timeout_s=5)
 def lookup_hits_only_on_identical_content(sub):
     cache = sub.PrefixCache()
-    plant(cache, [1, 2, 3, 4], 2, [3, 5])
+    plant(cache, [1, 2, 3, 4], 2, [3, 5], sub=sub)
     before, h9 = contents(cache), ref.hash_block(ROOT, [9, 9], E0)
     cases = [  # (hash, parent, tokens, extra keys), the answer, why a miss is right
         ((H1, ROOT, [1, 2], E0), 3, ""),
@@ -294,7 +294,7 @@ def insert_keeps_the_first_block_under_a_hash(sub):
 @LAB.check("evict", points=2, timeout_s=5)
 def evict_forgets_the_block_both_ways(sub):
     cache, ops = sub.PrefixCache(), []
-    plant(cache, [1, 2, 3, 4], 2, [3, 5])
+    plant(cache, [1, 2, 3, 4], 2, [3, 5], sub=sub)
     for b, want, left in [(7, None, [3, 5]), (3, H1, [5]), (3, None, [5]), (5, H2, [])]:
         ops.append(f"evict({b})")
         got, done = attempt("; ".join(ops), cache.evict, b), "; ".join(ops)

@@ -10,8 +10,9 @@ Four things can happen, and each gets a message a student can act on:
 - anything else (their code crashed, or loops past the time limit): **error**, naming the
   exception and the line of their code that raised.
 
-The time limit uses ``SIGALRM``, so it interrupts a Python loop; the grader also runs checks in a
-child process it can kill (grader.py), for code stuck where no signal gets through.
+The time limit uses ``SIGALRM``, so it interrupts a Python loop (in the notebook) or the wait
+for the student's process (in the grader, where their code runs in a worker it can kill:
+grader.py); a worker that ends or overruns its deadline mid-check is an error of that check.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedlearn.labs.lab import Check, CheckFailed, student_line
+from pagedlearn.labs.remote import WorkerGone
 
 PASSED, FAILED, NOT_DONE, ERROR = "passed", "failed", "not implemented", "error"
 MARK = {PASSED: "PASS", FAILED: "FAIL", NOT_DONE: "TODO", ERROR: "FAIL"}  # how a line starts
@@ -58,8 +60,9 @@ class Outcome:
         return {k: v for k, v in self.__dict__.items() if k != "picture"}
 
 
-class CheckTimeout(Exception):
-    pass
+class CheckTimeout(BaseException):
+    """A check's time is up. A BaseException, so that a check's ``except Exception`` (which
+    turns the student's errors into verdicts) lets it through to :func:`run_check`."""
 
 
 @contextlib.contextmanager
@@ -98,6 +101,16 @@ def run_check(check: Check, sub: Any, timeout_s: float | None = None) -> Outcome
             status, message = NOT_DONE, f"not implemented yet -- {e.__cause__}"
     except NotImplementedError as e:
         status, message = NOT_DONE, f"not implemented yet -- {e}"
+    except WorkerGone as e:  # the process running their code ended, or overran its deadline
+        status = ERROR
+        message = (
+            str(e)
+            if str(e) != "timeout"
+            else (
+                f"took longer than {limit:g} s and was stopped: an endless loop, or code stuck "
+                "where it cannot be interrupted?"
+            )
+        )
     except CheckTimeout:
         status = ERROR
         message = (

@@ -88,13 +88,16 @@ WITHHELD = {
 }
 
 
-def graded() -> dict[str, dict[str, str]]:
-    """``{file: {qualname: stub message}}``: every function any lab grades, where it is defined,
-    and the :data:`WITHHELD` ones. A function named by two labs is stubbed as the earlier lab's."""
+def graded(lab_id: str | None = None) -> dict[str, dict[str, str]]:
+    """``{file: {qualname: stub message}}``: every function any lab grades (or lab ``lab_id``
+    only), where it is defined, and the :data:`WITHHELD` ones (for lab 5's edition too). A
+    function named by two labs is stubbed as the earlier lab's."""
     from pagedlearn.labs import all_labs
 
     out: dict[str, dict[str, str]] = {}
     for lab in all_labs():
+        if lab_id is not None and lab.id != lab_id:
+            continue
         for ex in lab.exercises:
             for qualname, task in ex.targets.items():
                 found = [p for p in lab.files if _defined_in(_read(p), qualname)]
@@ -103,7 +106,7 @@ def graded() -> dict[str, dict[str, str]]:
                 for path in found:
                     message = f"{qualname} is lab {lab.number}, {lab.id}: not written yet -- {task}"
                     out.setdefault(path, {}).setdefault(qualname, message)
-    for path, targets in WITHHELD.items():
+    for path, targets in WITHHELD.items() if lab_id in (None, "kernel") else ():
         for qualname, why in targets.items():
             message = f"{qualname} is withheld from the student edition: {why}"
             out.setdefault(path, {}).setdefault(qualname, message)
@@ -125,10 +128,11 @@ def blanked(path: str, targets: dict[str, str]) -> str:
 
 
 # --- writing a tree ------------------------------------------------------------------------------
-def _write_tree(dest: Path, files: list[Path], digest: str) -> None:
-    """The packages into ``dest`` (an empty folder), graded bodies blanked, then the marker;
-    raises AssertionError if a graded function is not a stub there (see :func:`verify`)."""
-    stubs = graded()
+def _write_tree(dest: Path, files: list[Path], digest: str, lab_id: str | None = None) -> None:
+    """The packages into ``dest`` (an empty folder), graded bodies blanked (of every lab, or of
+    lab ``lab_id``), then the marker; raises AssertionError if a graded function is not a stub
+    there (see :func:`verify`)."""
+    stubs = graded(lab_id)
     for rel in files:
         target = dest / rel
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -231,9 +235,11 @@ name, e.g. `BlockAllocator.allocate is lab 1, allocator: not written yet -- ...`
 """
 
 
-def build(out_dir: str | Path) -> Path:
+def build(out_dir: str | Path, record: bool = True) -> Path:
     """Write an installable student edition at ``out_dir`` (``pyproject.toml``, ``README.md``,
-    the packages with every graded body a stub) and return it.
+    the packages with every graded body a stub, and -- ``record`` -- the reference's recorded
+    answers to every check, which its ``check()`` and ``grade`` replay: expected.py) and
+    return it.
 
     ``out_dir`` must not exist, or be a student edition written before (it is replaced whole, so
     no file of an older version stays behind); anything else there is refused, untouched. Raises
@@ -248,6 +254,11 @@ def build(out_dir: str | Path) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=out.parent))
     try:
         _write_tree(tmp, files, sources_digest(files))
+        if record:  # about 40 s: every lab's checks, graded on the reference through the sandbox
+            from pagedlearn.labs import LAB_IDS, expected
+
+            for lab_id in LAB_IDS:
+                expected.write(tmp / "pagedlearn" / "labs" / "expected", lab_id)
         (tmp / "pyproject.toml").write_text(_pyproject())
         (tmp / "README.md").write_text(_readme())
         _publish(tmp, out)
@@ -265,18 +276,22 @@ def _publish(tmp: Path, dest: Path) -> None:
 
 
 # --- the grader's copy ---------------------------------------------------------------------------
-def edition_for_grading() -> Path:
-    """The student edition the grader's worker imports (its root goes first on ``sys.path``):
-    built once per version of the package's sources, into the cache folder (``$PAGEDLEARN_CACHE``,
-    else ``$XDG_CACHE_HOME/pagedlearn``, else ``~/.cache/pagedlearn``), as
-    ``student-edition-<sha256 of the sources>``. No project file, no README: only the packages."""
+def edition_for_grading(lab_id: str | None = None) -> Path:
+    """The edition the grader's worker imports (its root goes first on ``sys.path``): with
+    ``lab_id``, the package with that lab's graded bodies (only) blanked -- a cow submission
+    runs on the package's allocator, as the lab is meant to, but never on its own answers --
+    else the student edition. Built once per version of the package's sources, into the cache
+    folder (``$PAGEDLEARN_CACHE``, else ``$XDG_CACHE_HOME/pagedlearn``, else
+    ``~/.cache/pagedlearn``), as ``student-edition[-<lab>]-<sha256 of the sources>``. No project
+    file, no README: only the packages."""
     from filelock import FileLock  # (huggingface_hub's own lock; transformers requires it)
 
     from pagedlearn.models.smollm2 import cache_root
 
     files = source_files()
     digest = sources_digest(files)
-    dest = cache_root() / f"student-edition-{digest[:16]}"
+    lab = f"-{lab_id}" if lab_id else ""
+    dest = cache_root() / f"student-edition{lab}-{digest[:16]}"
     if (dest / MARKER).is_file():  # the fast path: built before (renamed into place whole)
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -284,7 +299,7 @@ def edition_for_grading() -> Path:
         if not (dest / MARKER).is_file():  # another process may have built it meanwhile
             tmp = Path(tempfile.mkdtemp(prefix=dest.name + ".tmp-", dir=dest.parent))
             try:
-                _write_tree(tmp, files, digest)
+                _write_tree(tmp, files, digest, lab_id)
                 _publish(tmp, dest)
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
