@@ -2,9 +2,10 @@
 
 A check needs two things a submission must never touch: the reference (to know the right
 answer) and the verdict. So the grader runs every check in *its* process, which has the
-reference, and the student's code in a sandboxed worker (worker.py) that has only the student
-edition of pagedlearn, where every graded function is a stub. They talk over a pipe, one JSON
-request and one JSON answer at a time::
+reference, and the student's code in a sandboxed worker (worker.py, sandbox.py) that has only an
+edition of pagedlearn where the lab's graded functions are stubs. They talk over a pipe, one
+numbered JSON request and one answer carrying the same number at a time (a line the submission
+writes into the pipe itself is an answer out of turn: that check errors, the worker is replaced)::
 
     grading process (checks, reference, verdicts)        worker (student edition + submission)
     sub.KVCacheManager(num_blocks=8, block_size=4)  ->   calls the student's class
