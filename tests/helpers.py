@@ -80,3 +80,100 @@ def import_benchmark(name: str):
         return importlib.import_module(name)
     finally:
         sys.path.remove(folder)
+
+
+# A correct answer to lab 1 written from the handout's tasks, not copied from the package (the
+# copy check must not flag it; the grader must give it full marks): ``{qualname: body}``.
+HONEST_ALLOCATOR = {
+    "BlockAllocator.allocate": """
+        if not _is_int(n) or n < 0:
+            raise PagedLearnError(f"allocate needs a whole number n >= 0, not {n!r}")
+        available = len(self._free_empty) + len(self._free_cached)
+        if n > available:
+            raise OutOfBlocksError(n, available, self._num_blocks)
+        taken = []
+        while len(taken) < n and self._free_empty:
+            taken.append(self._free_empty.popleft())
+        while len(taken) < n:
+            victim = next(iter(self._free_cached))
+            del self._free_cached[victim]
+            self._cached.discard(victim)
+            self.num_evictions += 1
+            if self.on_evict is not None:
+                self.on_evict(victim)
+            taken.append(victim)
+        for block in taken:
+            self._refcounts[block] = 1
+        return taken
+""",
+    "BlockAllocator.incref": """
+        ids = list(ids)
+        self._check_ids(ids)
+        for b in ids:
+            if self._refcounts[b] == 0 and b not in self._cached:
+                raise PagedLearnError(f"cannot share block {b}: it is free and caches nothing")
+        for b in ids:
+            if self._refcounts[b] == 0:
+                self._free_cached.pop(b)
+            self._refcounts[b] += 1
+            if self._refcounts[b] == 2:
+                self._num_shared += 1
+""",
+    "BlockAllocator.free": """
+        ids = list(ids)
+        self._check_ids(ids)
+        for b, k in Counter(ids).items():
+            if k > self._refcounts[b]:
+                raise PagedLearnError(f"double free: block {b} freed {k}x, refcount too low")
+        for b in ids:
+            self._refcounts[b] -= 1
+            if self._refcounts[b] == 1:
+                self._num_shared -= 1
+            elif self._refcounts[b] == 0:
+                if b in self._cached:
+                    self._free_cached[b] = None
+                else:
+                    self._free_empty.append(b)
+""",
+    "BlockTable.blocks_needed": """
+        return (num_tokens + self.block_size - 1) // self.block_size
+""",
+    "BlockTable.slot": """
+        if i < 0 or i >= len(self.token_ids):
+            raise IndexError(f"position {i} is not in 0..{len(self.token_ids) - 1}")
+        block, offset = divmod(i, self.block_size)
+        return self.block_ids[block] * self.block_size + offset
+""",
+    "BlockTable.slot_mapping": """
+        if start < 0:
+            raise IndexError(f"start {start} is negative")
+        out = []
+        for i in range(start, self.num_tokens):
+            block = self.block_ids[i // self.block_size]
+            offset = i % self.block_size
+            out.append(NULL_BLOCK if block == NULL_BLOCK else block * self.block_size + offset)
+        return out
+""",
+}
+
+
+def filled(lab: Lab, bodies: dict[str, str]) -> dict[str, str]:
+    """``lab``'s handout files (``{filename: text}``) with each ``{qualname: body}`` in place of
+    that target's one-line stub (``body`` indented for its place)."""
+    import ast
+
+    from pagedlearn.labs.handout import _find
+
+    files = lab_files(lab, blank=True)
+    for name, source in files.items():
+        tree, lines = ast.parse(source), source.splitlines(keepends=True)
+        stubs = {}
+        for qualname, body in bodies.items():
+            try:
+                stubs[_find(tree, qualname).body[-1].lineno] = body.strip("\n") + "\n"
+            except LookupError:
+                continue
+        for lineno in sorted(stubs, reverse=True):  # each stub is one line: the body replaces it
+            lines[lineno - 1] = stubs[lineno]
+        files[name] = "".join(lines)
+    return files

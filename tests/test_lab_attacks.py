@@ -13,7 +13,6 @@ outcome is a known check scoring at most its points.
 
 from __future__ import annotations
 
-import ast
 import json
 import os
 import subprocess
@@ -22,11 +21,12 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import HONEST_ALLOCATOR, filled
 
 import pagedlearn
 from pagedlearn.labs import get
 from pagedlearn.labs.grader import MAX_MESSAGE, Report, grade
-from pagedlearn.labs.handout import EXERCISE_TAG, _find, lab_files
+from pagedlearn.labs.handout import EXERCISE_TAG
 from pagedlearn.labs.runner import PASSED
 
 ALLOCATOR, COW, KERNEL = get("allocator"), get("cow"), get("kernel")
@@ -85,18 +85,7 @@ def _write(tmp_path: Path, name: str, text: str) -> list[str]:
 def _handout(lab, tmp_path: Path, bodies: dict[str, str] | None = None, tail: str = "") -> list:
     """``lab``'s handout files in ``tmp_path``: each ``{qualname: body}`` replaces that stub
     (``body`` indented for a method), and ``tail`` ends the first file (runs at import)."""
-    files = lab_files(lab, blank=True)
-    for name, source in files.items():
-        tree, lines = ast.parse(source), source.splitlines(keepends=True)
-        stubs = {}
-        for qualname, body in (bodies or {}).items():
-            try:
-                stubs[_find(tree, qualname).body[-1].lineno] = body.strip("\n") + "\n"
-            except LookupError:
-                continue
-        for lineno in sorted(stubs, reverse=True):  # each stub is one line: the body replaces it
-            lines[lineno - 1] = stubs[lineno]
-        files[name] = "".join(lines)
+    files = filled(lab, bodies or {})
     first = next(iter(files))
     files[first] += "\n" + tail
     return [p for name, text in files.items() for p in _write(tmp_path, name, text)]
@@ -382,82 +371,9 @@ def test_11_a_huge_message_is_cut(tmp_path, what):
 
 
 # --- row 12: an honest solution still gets full marks ---------------------------------------------
-SOLUTION = {
-    "BlockAllocator.allocate": """
-        if not _is_int(n) or n < 0:
-            raise PagedLearnError(f"allocate needs a whole number n >= 0, not {n!r}")
-        available = len(self._free_empty) + len(self._free_cached)
-        if n > available:
-            raise OutOfBlocksError(n, available, self._num_blocks)
-        taken = []
-        while len(taken) < n and self._free_empty:
-            taken.append(self._free_empty.popleft())
-        while len(taken) < n:
-            victim = next(iter(self._free_cached))
-            del self._free_cached[victim]
-            self._cached.discard(victim)
-            self.num_evictions += 1
-            if self.on_evict is not None:
-                self.on_evict(victim)
-            taken.append(victim)
-        for block in taken:
-            self._refcounts[block] = 1
-        return taken
-""",
-    "BlockAllocator.incref": """
-        ids = list(ids)
-        self._check_ids(ids)
-        for b in ids:
-            if self._refcounts[b] == 0 and b not in self._cached:
-                raise PagedLearnError(f"cannot share block {b}: it is free and caches nothing")
-        for b in ids:
-            if self._refcounts[b] == 0:
-                self._free_cached.pop(b)
-            self._refcounts[b] += 1
-            if self._refcounts[b] == 2:
-                self._num_shared += 1
-""",
-    "BlockAllocator.free": """
-        ids = list(ids)
-        self._check_ids(ids)
-        for b, k in Counter(ids).items():
-            if k > self._refcounts[b]:
-                raise PagedLearnError(f"double free: block {b} freed {k}x, refcount too low")
-        for b in ids:
-            self._refcounts[b] -= 1
-            if self._refcounts[b] == 1:
-                self._num_shared -= 1
-            elif self._refcounts[b] == 0:
-                if b in self._cached:
-                    self._free_cached[b] = None
-                else:
-                    self._free_empty.append(b)
-""",
-    "BlockTable.blocks_needed": """
-        return (num_tokens + self.block_size - 1) // self.block_size
-""",
-    "BlockTable.slot": """
-        if i < 0 or i >= len(self.token_ids):
-            raise IndexError(f"position {i} is not in 0..{len(self.token_ids) - 1}")
-        block, offset = divmod(i, self.block_size)
-        return self.block_ids[block] * self.block_size + offset
-""",
-    "BlockTable.slot_mapping": """
-        if start < 0:
-            raise IndexError(f"start {start} is negative")
-        out = []
-        for i in range(start, self.num_tokens):
-            block = self.block_ids[i // self.block_size]
-            offset = i % self.block_size
-            out.append(NULL_BLOCK if block == NULL_BLOCK else block * self.block_size + offset)
-        return out
-""",
-}
-
-
 def test_12_an_honest_solution_gets_full_marks_through_the_cli(tmp_path):
     out = tmp_path / "results.json"
-    done = _cli("allocator", _handout(ALLOCATOR, tmp_path, SOLUTION), out)
+    done = _cli("allocator", _handout(ALLOCATOR, tmp_path, HONEST_ALLOCATOR), out)
     assert done.returncode == 0, done.stdout + done.stderr
     data = json.loads(out.read_text())
     _sane_json(data, ALLOCATOR)
