@@ -121,9 +121,14 @@ HINTS = {
 }
 
 
+def _made(kwargs: dict) -> str:
+    """How a manager was made, as messages say it: ``KVCacheManager(num_blocks=8, ...)``."""
+    return "KVCacheManager(" + ", ".join(f"{k}={v}" for k, v in kwargs.items()) + ")"
+
+
 def _your_manager(sub, kwargs: dict) -> Held:
     """Your manager, built where your code runs, recording its trace events."""
-    made = "KVCacheManager(" + ", ".join(f"{k}={v}" for k, v in kwargs.items()) + ")"
+    made = _made(kwargs)
     try:
         yours = sub.KVCacheManager(**kwargs)
     except (CheckFailed, NotImplementedError):
@@ -152,7 +157,7 @@ class _Managers(Twins):
 
     def __init__(self, sub, num_blocks: int, block_size: int, **options) -> None:
         kwargs = {"num_blocks": num_blocks, "block_size": block_size, **options}
-        made = "KVCacheManager(" + ", ".join(f"{k}={v}" for k, v in kwargs.items()) + ")"
+        made = _made(kwargs)
         ref = RefKV(**kwargs)
         super().__init__(f"with {made}", ref, sub, _your_manager, kwargs)
         self.log, self.start, self.copies_before = ref.record(), 0, 0

@@ -90,7 +90,7 @@ def replay(entries: list[dict], ask) -> None:
     answer unlike the reference's, NotImplementedError where the student's code hit a stub."""
     from pagedlearn.labs.wire import exception_from_wire
 
-    for i, e in enumerate(entries):
+    for e in entries:
         got, want = ask(e["q"]), e["a"]
         if "raised" in got and "raised" not in want:
             exc = exception_from_wire(got["raised"])
@@ -98,7 +98,7 @@ def replay(entries: list[dict], ask) -> None:
                 raise exc
         problem = _differ(want, got)
         if problem:
-            raise CheckFailed(_message(e, entries[:i], problem))
+            raise CheckFailed(_message(e, problem))
 
 
 def _family(raised: dict) -> str:
@@ -212,7 +212,7 @@ def _same_tensor(a: dict, b: dict) -> bool:
     return bool(torch.allclose(x, y, atol=2e-5, rtol=1e-4, equal_nan=True))
 
 
-def _message(entry: dict, before: list[dict], problem: str) -> str:
+def _message(entry: dict, problem: str) -> str:
     """The recorded note (a check's own words for the request), else the request described."""
     note = entry.get("note") or _describe(entry["q"])
     return f"{note}: {problem}"

@@ -128,7 +128,7 @@ def grade(
     a dict that gets each check's conversation with the worker (expected.py records the
     reference's)."""
     from pagedlearn.labs.feedback import checks
-    from pagedlearn.labs.remote import WorkerGone, cut
+    from pagedlearn.labs.remote import WorkerGone, WorkerSilent, cut
     from pagedlearn.labs.runner import FAILED, run_check
     from pagedlearn.labs.student_edition import is_student_edition
 
@@ -162,7 +162,7 @@ def grade(
             try:
                 worker.ch.call("reset")  # each check numbers the student's objects from 1
             except WorkerGone as e:  # it wrote lines of its own into the pipe, or died
-                why = str(e) if str(e) != "timeout" else "the worker stopped answering"
+                why = "the worker stopped answering" if isinstance(e, WorkerSilent) else str(e)
                 outcome = Outcome(c.name, c.exercise, ERROR, 0, c.points, why)
             else:
                 worker.ch.log = None if log is None else log.setdefault(c.name, [])

@@ -40,15 +40,20 @@ from pagedlearn.labs.wire import (
     cut,
     exception_from_wire,
     exception_to_wire,
+    is_tensor,
 )
 
 MAX_LINE = 64 << 20  # bytes of one answer from the worker (a flood is cut off, not read)
 
 
 class WorkerGone(BaseException):
-    """The worker ended (exit, crash, kill), overran the check's deadline ("timeout") or broke
-    the protocol; the message says which. A BaseException, so that a check's ``except
-    Exception`` (which turns the student's errors into verdicts) lets it through to the runner."""
+    """The worker ended (exit, crash, kill) or broke the protocol; the message says which. A
+    BaseException, so that a check's ``except Exception`` (which turns the student's errors into
+    verdicts) lets it through to the runner."""
+
+
+class WorkerSilent(WorkerGone):
+    """The worker said nothing before the deadline (each caller words why for the student)."""
 
 
 # --- the grader's side ----------------------------------------------------------------------------
@@ -74,7 +79,7 @@ class Channel:
         while b"\n" not in self.buf:
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and (left <= 0 or not self.sel.select(left)):
-                raise WorkerGone("timeout")
+                raise WorkerSilent("no answer before the deadline")
             if left is None:
                 self.sel.select()
             chunk = os.read(self.proc.stdout.fileno(), 1 << 16)
@@ -94,7 +99,8 @@ class Channel:
 
     def exchange(self, request: dict) -> dict:
         """Send ``request`` (numbered) and read its answer, which must carry the same number: a
-        line the submission wrote itself into the pipe cannot pass for an answer unnoticed."""
+        line the submission wrote itself into the pipe cannot pass for an answer unnoticed.
+        Returns the answer without its number."""
         self.number += 1
         request = {**request, "n": self.number}
         self.busy = True  # until a valid answer is read: a worker out of step is replaced
@@ -104,7 +110,7 @@ class Channel:
         except (BrokenPipeError, OSError):
             raise WorkerGone(self.on_gone()) from None
         answer = self.read_line()
-        if answer.get("n") != self.number or not ("ok" in answer or "raised" in answer):
+        if answer.pop("n", None) != self.number or not ("ok" in answer or "raised" in answer):
             raise WorkerGone("the worker broke the protocol (an answer out of turn)")
         self.busy = False
         return answer
@@ -112,8 +118,7 @@ class Channel:
     def ask(self, request: dict):
         answer = self.exchange(request)
         if self.log is not None:
-            kept = {k: v for k, v in answer.items() if k != "n"}
-            self.log.append({"q": request, "a": kept, "note": self.note})
+            self.log.append({"q": request, "a": answer, "note": self.note})
         self.note = ""
         if "raised" in answer:
             raise exception_from_wire(answer["raised"])
@@ -131,8 +136,7 @@ class Channel:
 
     def ask_raw(self, request: dict) -> dict:
         """Send a request as it is; its answer as it came (expected.py replays recordings)."""
-        answer = self.exchange(request)
-        return {k: v for k, v in answer.items() if k != "n"}
+        return self.exchange(request)
 
     def call(self, op: str, h: int | None = None, *args, **fields):
         """Request ``op`` on handle ``h`` with ``args`` (tensors among them are written back)."""
@@ -288,9 +292,10 @@ class Host:
             kwargs = {k: self.codec.decode(v) for k, v in request.get("kwargs", {}).items()}
             value = self._do(request, args, kwargs)
             out = {"ok": self.codec.encode(value)}
-            wb = [[i, self.codec.encode(a)] for i, a in enumerate(args) if _is_tensor(a)]
-            if wb and request["op"] in ("call", "observe"):
-                out["wb"] = wb
+            if request["op"] in ("call", "observe"):  # what the call wrote into, sent back
+                wb = [[i, self.codec.encode(a)] for i, a in enumerate(args) if is_tensor(a)]
+                if wb:
+                    out["wb"] = wb
             return out
         except KeyboardInterrupt:
             raise
@@ -327,7 +332,3 @@ class Host:
             fn = getattr(importlib.import_module(module), func)
             return fn(self.sub, *args)
         raise ValueError(f"unknown request {op!r}")
-
-
-def _is_tensor(v) -> bool:
-    return type(v).__module__ == "torch" and type(v).__name__ == "Tensor"

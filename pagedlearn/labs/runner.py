@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedlearn.labs.lab import Check, CheckFailed, student_line
-from pagedlearn.labs.remote import WorkerGone
+from pagedlearn.labs.remote import WorkerGone, WorkerSilent
 
 PASSED, FAILED, NOT_DONE, ERROR = "passed", "failed", "not implemented", "error"
 MARK = {PASSED: "PASS", FAILED: "FAIL", NOT_DONE: "TODO", ERROR: "FAIL"}  # how a line starts
@@ -101,16 +101,14 @@ def run_check(check: Check, sub: Any, timeout_s: float | None = None) -> Outcome
             status, message = NOT_DONE, f"not implemented yet -- {e.__cause__}"
     except NotImplementedError as e:
         status, message = NOT_DONE, f"not implemented yet -- {e}"
-    except WorkerGone as e:  # the process running their code ended, or overran its deadline
+    except WorkerSilent:  # the process running their code overran the deadline
         status = ERROR
         message = (
-            str(e)
-            if str(e) != "timeout"
-            else (
-                f"took longer than {limit:g} s and was stopped: an endless loop, or code stuck "
-                "where it cannot be interrupted?"
-            )
+            f"took longer than {limit:g} s and was stopped: an endless loop, or code stuck "
+            "where it cannot be interrupted?"
         )
+    except WorkerGone as e:  # ... or ended, or broke the protocol
+        status, message = ERROR, str(e)
     except CheckTimeout:
         status = ERROR
         message = (

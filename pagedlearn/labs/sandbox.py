@@ -119,7 +119,7 @@ class Sandbox:
 
     def start(self) -> tuple[_Worker | None, str]:
         """A fresh worker with the submission loaded, or ``(None, why not)``."""
-        from pagedlearn.labs.remote import WorkerGone
+        from pagedlearn.labs.remote import WorkerGone, WorkerSilent
         from pagedlearn.labs.worker import BOOT
 
         args = ["--reference"] if self.reference else self.files
@@ -140,9 +140,11 @@ class Sandbox:
         try:
             loaded = worker.ch.read_line(LOAD_TIMEOUT_S)
         except WorkerGone as e:  # died, or took too long
-            why = str(e)
-            if why == "timeout":
-                why = f"loading it took over {LOAD_TIMEOUT_S:g} s"
+            why = (
+                f"loading it took over {LOAD_TIMEOUT_S:g} s"
+                if isinstance(e, WorkerSilent)
+                else str(e)
+            )
             self.stop(worker)
             return None, why
         if "load_error" in loaded:

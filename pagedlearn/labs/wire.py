@@ -40,6 +40,11 @@ def cut(text: str, limit: int = MAX_TEXT) -> str:
 
 
 # --- values on the wire ---------------------------------------------------------------------------
+def is_tensor(v) -> bool:
+    """A torch tensor, asked without importing torch (the grader may never need it)."""
+    return type(v).__module__ == "torch" and type(v).__name__ == "Tensor"
+
+
 def _tensor_to_wire(t) -> dict:
     t = t.detach().to("cpu").contiguous()
     raw = t.view(torch_uint8()).numpy().tobytes() if t.numel() else b""
@@ -103,7 +108,7 @@ class Codec:
             return {"s": enc(sorted(v, key=repr)), "frozen": type(v) is frozenset}
         if type(v).__name__ in ("list_iterator", "tuple_iterator"):  # an argument walked once
             return {"it": enc(list(v))}
-        if type(v).__module__ == "torch" and type(v).__name__ in ("Tensor", "Parameter"):
+        if is_tensor(v):
             return _tensor_to_wire(v)
         if self.proxy is not None and isinstance(v, self.proxy):  # a handle going back
             return {"r": object.__getattribute__(v, "_h")}
