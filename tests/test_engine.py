@@ -386,3 +386,53 @@ def test_final_only_leaves_out_the_outputs_of_requests_still_running():
     final, final_events = _serve_steps(final_only=True)
     assert final == [[o for o in step if o[1]] for step in every]
     assert final_events == every_events
+
+
+@pytest.mark.parametrize("victims", [["gen-1"], ["gen-0", "gen-1", "gen-2"]])
+def test_generate_returns_every_output_when_other_code_aborts_its_requests(victims):
+    """A stats subscriber (on generate's own thread) aborts some of generate's requests after
+    step 3: generate still returns one output per prompt -- the aborted ones with finish reason
+    "abort" and the tokens they had -- and the others run to the end (issue 32: a bare
+    ``KeyError: 'gen-1'`` lost every output)."""
+    llm = make_llm()
+    engine, seen = llm.engine, []
+
+    def abort_some(stats) -> None:
+        seen.append(stats)
+        if len(seen) == 3:
+            for rid in victims:
+                assert engine.abort_request(rid).outputs[0].finish_reason == "abort"
+
+    engine.subscribe_stats(abort_some)
+    outs = llm.generate(PROMPTS[:3], greedy(12), use_tqdm=False)
+    assert [o.request_id for o in outs] == ["gen-0", "gen-1", "gen-2"]
+    for o in outs:
+        c = o.outputs[0]
+        assert o.finished
+        if o.request_id in victims:
+            assert c.finish_reason == "abort" and 0 < len(c.token_ids) < 12
+        else:
+            assert c.finish_reason == "length" and len(c.token_ids) == 12
+    assert_pool_clean(llm)
+
+
+def test_generate_survives_an_abort_from_another_thread():
+    """Another thread aborts one of generate's requests while it runs; the engine is not
+    thread-safe, so the abort is made between steps (from a stats subscriber that waits for the
+    other thread), as a server's engine loop would hand it over."""
+    import threading
+
+    llm = make_llm()
+    engine, steps = llm.engine, []
+
+    def between_steps(stats) -> None:
+        steps.append(stats)
+        if len(steps) == 2:
+            t = threading.Thread(target=engine.abort_request, args=("gen-0",))
+            t.start()
+            t.join()
+
+    engine.subscribe_stats(between_steps)
+    outs = llm.generate(PROMPTS[:3], greedy(8), use_tqdm=False)
+    assert [o.outputs[0].finish_reason for o in outs] == ["abort", "length", "length"]
+    assert_pool_clean(llm)

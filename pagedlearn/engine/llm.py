@@ -41,7 +41,8 @@ from collections.abc import Sequence
 
 from pagedlearn.engine.engine_args import EngineArgs
 from pagedlearn.engine.llm_engine import RequestRejectedError
-from pagedlearn.engine.request import RequestOutput
+from pagedlearn.engine.outputs import request_output
+from pagedlearn.engine.request import RequestOutput, RequestStatus
 from pagedlearn.engine.sampling_params import BeamSearchParams, SamplingParams
 from pagedlearn.errors import PagedLearnError
 
@@ -171,7 +172,9 @@ class LLM:
         Interrupted (Ctrl-C, "interrupt kernel", or an error raised by a step), it aborts the
         requests it added -- their blocks go back to the pool, their outputs are dropped -- and
         re-raises: the engine stays usable, and the next ``generate`` starts clean. Requests
-        added to ``llm.engine`` by other code stay queued."""
+        added to ``llm.engine`` by other code stay queued. One of its requests that other code
+        aborts (``llm.engine.abort_request``, from a stats subscriber or another thread) still
+        gets its output, with what it had generated and finish reason "abort"."""
         from tqdm.auto import tqdm
 
         prompts = _as_prompt_list(prompts)
@@ -185,7 +188,7 @@ class LLM:
         elif len(lora_request) != len(prompts):
             raise PagedLearnError(f"{len(prompts)} prompts but {len(lora_request)} lora_requests")
         engine = self.engine
-        ids, results, pending = [], {}, set()
+        ids, results, pending = [], {}, {}  # pending: request id -> its Request
         try:
             for prompt, p, lora in zip(prompts, params, lora_request, strict=True):
                 rid = f"gen-{self._num_generated}"
@@ -199,14 +202,23 @@ class LLM:
                     results[rid] = _rejected(rid, prompt, str(e))
                     print(f"pagedlearn: {e}")
                 else:
-                    pending.add(rid)
+                    pending[rid] = engine.requests[rid]
             with tqdm(total=len(ids), desc="requests", disable=not use_tqdm, leave=False) as bar:
                 bar.update(len(ids) - len(pending))
-                while pending and engine.has_unfinished_requests():
+                while pending:
+                    # Aborted by other code (a stats subscriber, another thread): the aborter
+                    # got its final output, and no step will hand it out; build ours from
+                    # the request (finish reason "abort"), or the others' outputs are lost.
+                    gone = [r for r, req in pending.items() if req.status is RequestStatus.FINISHED]
+                    for rid in gone:
+                        results[rid] = request_output(engine, pending.pop(rid))
+                        bar.update(1)
+                    if not pending or not engine.has_unfinished_requests():
+                        break
                     for out in engine.step():
                         if out.finished and out.request_id in pending:
                             results[out.request_id] = out
-                            pending.discard(out.request_id)
+                            del pending[out.request_id]
                             bar.update(1)
         except BaseException:  # Ctrl-C or a step's error: leave no request of ours behind
             for rid in pending:
