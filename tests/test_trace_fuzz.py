@@ -315,6 +315,25 @@ def test_every_kind_of_event_is_in_the_seeds():
     assert all("step" in k for k in kinds)
 
 
+def test_real_recordings_build_far_fewer_nulls_than_the_budget_allows():
+    """The null-entry budget (trace/limits.py) refuses files that build nulls out of proportion
+    to their text; the seeds -- a sliding-window run among them, skipping, window-freeing and
+    swapping -- build a hundredth of what it allows a character, or less."""
+    from pagedlearn.trace import limits
+    from pagedlearn.trace.checks import nulls_built
+
+    built = []
+    for text in seeds():
+        log = EventLog.from_json(text)
+        replay, nulls = PoolReplay(log.meta["num_blocks"], log.meta.get("num_cpu_blocks")), 0
+        for e in log.events:
+            nulls += nulls_built(replay, e)
+            replay.apply(e)
+        assert nulls <= limits.NULL_ENTRIES_PER_CHAR * len(text) / 100
+        built.append(nulls)
+    assert any(built)  # the hybrid seed skips entries: the count is not vacuous
+
+
 @pytest.mark.parametrize(
     "meta",
     [

@@ -24,12 +24,21 @@ table in :mod:`pagedlearn.trace.events`):
 
 A trace recorded here obeys them all; a file that breaks one was edited, truncated, or recorded
 after the run it describes had started (an event then names a sequence the replay never saw).
-:func:`check_replay` replays a whole file once at load (trace/file.py checked its types first)
-and also bounds what a viewer will build from it: one picture of the pool per ``step`` event
-(and per ``cache_reset``).
+
+A check costs what the event lists, not what the table holds: a sliding window's null entries
+only ever form a table's head (the rules above keep it so), so :func:`null_head` finds where they
+end by binary search instead of reading them all. What a replay *builds* beyond what the file
+lists is null entries (:func:`nulls_built`), and :func:`check_replay`, which replays a whole file
+once at load (trace/file.py checked its types first), bounds them (the rules in
+:mod:`pagedlearn.trace.limits`): no table longer than a sequence of ``MAX_SEQ_TOKENS`` tokens,
+and no more nulls than a budget that grows with the file. It also bounds what a viewer will
+build from the file: one picture of the pool per ``step`` event (and per ``cache_reset``). So
+loading a file costs time and memory in proportion to its text, or to a cap a course can raise.
 """
 
 from __future__ import annotations
+
+import bisect
 
 from pagedlearn.errors import TraceFileError
 from pagedlearn.trace import limits as trace_limits
@@ -97,8 +106,9 @@ def _check_fits(replay, e) -> None:
             raise Problem(f"forks sequence {parent!r} into itself")
         if child in replay.tables or child in replay.swapped:
             raise Problem(f"forks into sequence {child!r}, which already exists")
-        shared = table[: e.info.get("prefix", len(table))]  # fork_prefix: the first entries
-        if list(e.blocks) != _live(shared):
+        end = e.info.get("prefix", len(table))  # fork_prefix: the first entries
+        shared = table[min(null_head(table), end) : end]  # their blocks, less the null head
+        if list(e.blocks) != shared:
             raise Problem(f"shares blocks {show(list(e.blocks))}, not the table of {parent!r}")
     elif kind == "cow_copy":
         table = _gpu_table(replay, s, "copies on write for")
@@ -107,17 +117,15 @@ def _check_fits(replay, e) -> None:
     elif kind == "free" and on_cpu:
         if s not in replay.swapped:
             raise Problem(f"frees the CPU blocks of sequence {s!r}, which is not swapped out")
-        if sorted(e.blocks) != sorted(_live(replay.swapped[s])):
+        if sorted(e.blocks) != sorted(live(replay.swapped[s])):
             raise Problem(f"frees CPU blocks that are not the swapped-out table of {s!r}")
     elif kind in ("free", "swap_out"):  # each block of s's table loses the reference s held
         table = _gpu_table(replay, s, "frees" if kind == "free" else "swaps out")
-        if sorted(e.blocks) != sorted(_live(table)):
+        if sorted(e.blocks) != sorted(live(table)):
             raise Problem(f"names blocks {show(list(e.blocks))}, not the table of {s!r}")
     elif kind == "window_free":  # the oldest live entries of s's table, right after its nulls
         table, first = _gpu_table(replay, s, "frees the window of"), info.get("first")
-        if first != len(table) - len(_live(table)) or table[first : first + len(e.blocks)] != list(
-            e.blocks
-        ):
+        if first != null_head(table) or table[first : first + len(e.blocks)] != list(e.blocks):
             raise Problem(
                 f"frees blocks {show(list(e.blocks))} from entry {show(first)}, not the oldest "
                 f"live blocks of {s!r}"
@@ -135,7 +143,7 @@ def _check_fits(replay, e) -> None:
             )
         for i, b in enumerate(cpu_blocks):
             check_block_id(b, f"info.cpu_blocks[{i}]", ncpu, True)
-        if kind == "swap_in" and _live(replay.swapped.get(s) or [None]) != cpu_blocks:
+        if kind == "swap_in" and (s not in replay.swapped or live(replay.swapped[s]) != cpu_blocks):
             why = "is not swapped out" if s not in replay.swapped else "has other CPU blocks"
             raise Problem(f"swaps in sequence {s!r}, which {why}")
     elif kind == "cache_store":
@@ -161,9 +169,33 @@ def _check_shape(kind: str, blocks, seqs) -> None:
         raise Problem(f"has {len(seqs)} sequences; {a} {kind} event has {num_seqs}")
 
 
-def _live(table: list[int]) -> list[int]:
+NULL = -1  # a table entry whose block a sliding window freed (block_table.NULL_BLOCK)
+
+
+def null_head(table: list[int]) -> int:
+    """How many null entries (-1) ``table`` starts with. They only ever form its head, so a
+    binary search finds where they end: a table of a million nulls costs 20 looks, not a
+    million (a check of a tiny event must not cost the whole table)."""
+    return bisect.bisect_left(table, True, key=lambda b: b != NULL)
+
+
+def live(table: list[int]) -> list[int]:
     """A table's blocks, less the null (-1) entries a sliding window left (block_table.py)."""
-    return [b for b in table if b != -1]
+    return table[null_head(table) :]
+
+
+def nulls_built(replay, e) -> int:
+    """The null entries that applying event ``e`` to ``replay`` builds although ``e`` lists none
+    of them: a ``cache_hit``'s ``info.skipped``, and the nulls of the parent's table a fork
+    copies. Every other entry an event builds, copies or reads is one it lists (a swap moves
+    its table's list, nulls and all, without copying it). Reads only, and never raises on an
+    event that does not fit (:func:`check_event` says what is wrong with it)."""
+    if e.kind == "cache_hit":
+        return e.info.get("skipped") or 0
+    if e.kind == "incref" and e.seqs:
+        table = replay.tables.get(e.seqs[0], [])
+        return min(null_head(table), e.info.get("prefix", len(table)))
+    return 0
 
 
 def _gpu_table(replay, s, verb: str) -> list[int]:
@@ -208,15 +240,38 @@ def _check_step_counts(replay, info: dict) -> None:
             )
 
 
-def check_replay(replay, events, block_size: int) -> None:
-    """Apply ``events`` to ``replay`` (an empty :class:`~pagedlearn.trace.events.PoolReplay`: each
-    apply checks first) and count the frames a viewer would build, one per ``step`` event:
-    raise :class:`TraceFileError` at the step that takes them past ``MAX_FRAME_CELLS`` or
-    ``MAX_FRAME_SLOTS``. Its cost is linear in the file (counting a frame is no dearer than
-    the frame's own cells, which are capped)."""
-    cells = slots = 0
+def check_replay(replay, events, block_size: int, text_chars: int) -> None:
+    """Apply ``events`` (a file's, of ``text_chars`` characters) to ``replay`` (an empty
+    :class:`~pagedlearn.trace.events.PoolReplay`: each apply checks first), and refuse with a
+    :class:`TraceFileError` the first event that takes the replay past a bound (the rules in
+    :mod:`pagedlearn.trace.limits`), before it is applied:
+
+    - a table longer than a sequence of ``MAX_SEQ_TOKENS`` tokens fills;
+    - more null entries built (:func:`nulls_built`) than ``NULL_ENTRIES_FLOOR +
+      NULL_ENTRIES_PER_CHAR * text_chars``;
+    - frames (one per ``step`` and ``cache_reset``) a viewer would build of more than
+      ``MAX_FRAME_CELLS`` cells or ``MAX_FRAME_SLOTS`` token slots.
+
+    So its cost is linear in the file, or bounded by those caps (counting a frame is no dearer
+    than the frame's own cells)."""
+    cells = slots = nulls = 0
     num_blocks = len(replay.refcounts)
+    budget = trace_limits.NULL_ENTRIES_FLOOR + trace_limits.NULL_ENTRIES_PER_CHAR * text_chars
     for e in events:
+        where = f"event {e.index} ({kind_text(e.kind)})"
+        try:
+            _check_table_length(replay, e, block_size)
+        except Problem as bad:
+            raise TraceFileError(f"{where}: {bad}") from None
+        nulls += nulls_built(replay, e)
+        if nulls > budget:
+            raise TraceFileError(
+                f"{where}: replaying the file up to this event builds {nulls} null table entries "
+                "(-1: entries a sliding window skipped, made by info.skipped and copied by forks) "
+                "that it does not list, above the budget NULL_ENTRIES_FLOOR + "
+                f"NULL_ENTRIES_PER_CHAR * {text_chars} characters = {budget} (raise "
+                "pagedlearn.trace.limits.NULL_ENTRIES_PER_CHAR or NULL_ENTRIES_FLOOR)"
+            )
         replay.apply(e)
         if e.kind not in FRAME_KINDS:
             continue
@@ -230,4 +285,22 @@ def check_replay(replay, events, block_size: int) -> None:
         ):
             if total > getattr(trace_limits, cap):
                 drawing = f"drawing every step up to this one takes {total} {what}"
-                raise TraceFileError(f"event {e.index} (step): {above_cap(drawing, cap)}")
+                raise TraceFileError(f"{where}: {above_cap(drawing, cap)}")
+
+
+def _check_table_length(replay, e, block_size: int) -> None:
+    """An ``allocate`` or ``cache_hit`` leaves its table no longer than a sequence of
+    ``MAX_SEQ_TOKENS`` tokens fills (the other kinds never lengthen a table)."""
+    if e.kind not in ("allocate", "cache_hit"):
+        return
+    s = e.seqs[0] if e.seqs else None
+    skipped = (e.info.get("skipped") or 0) if e.kind == "cache_hit" else 0
+    entries = len(replay.tables.get(s, ())) + skipped + len(e.blocks)
+    most = -(-trace_limits.MAX_SEQ_TOKENS // block_size)  # ceil: a last block partly full
+    if entries > most:
+        of = f" ({skipped} of them skipped)" if 0 < skipped < entries else ""
+        raise Problem(
+            f"the table of {show(s)} would hold {entries} entries{of}, more than a sequence of "
+            f"MAX_SEQ_TOKENS = {trace_limits.MAX_SEQ_TOKENS} tokens fills in blocks of "
+            f"{block_size} ({most}) (raise pagedlearn.trace.limits.MAX_SEQ_TOKENS)"
+        )

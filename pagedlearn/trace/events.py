@@ -223,7 +223,7 @@ class EventLog:
         log = cls(meta=meta)
         log.events = [Event(*f) for f in fields]
         replay = PoolReplay(meta["num_blocks"], meta.get("num_cpu_blocks"))
-        check_replay(replay, log.events, meta["block_size"])
+        check_replay(replay, log.events, meta["block_size"], len(text))
         return log
 
     def replay(self, upto: int | None = None) -> PoolReplay:

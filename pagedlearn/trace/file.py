@@ -17,7 +17,15 @@ replays, by the event's own index):
 3. **Meaning** (:mod:`pagedlearn.trace.checks`, the checks every replay makes, of a file or of
    events in memory): replayed once at load, every event must fit the pool as it stands -- as
    many blocks and sequences as its kind takes, block ids in the pool, sequences known, no
-   refcount below zero -- and the frames a viewer builds from the file stay under a budget.
+   refcount below zero. What the replay builds stays in proportion to the file: no table is
+   longer than a sequence of ``MAX_SEQ_TOKENS`` tokens fills, the null entries (-1) it builds
+   that the file does not list (a ``cache_hit``'s ``info.skipped``, copied by forks)
+   stay under a budget that grows with the text (``NULL_ENTRIES_FLOOR`` +
+   ``NULL_ENTRIES_PER_CHAR`` a character), and the frames a viewer builds stay under
+   ``MAX_FRAME_CELLS`` and ``MAX_FRAME_SLOTS``.
+
+So loading a file takes time and memory in proportion to its size (json.loads itself takes up to
+~20 times the text), or to a cap a course raised; a refused file leaves nothing behind.
 
 A trace recorded in this process (``kv.record()``) is built by the manager and skips layers 1-2.
 

@@ -11,6 +11,23 @@ with bigger runs can raise them::
     import pagedlearn.trace.limits
     pagedlearn.trace.limits.MAX_FRAME_CELLS = 2**23
 
+The caps on single numbers do not bound everything a replay builds: a table's null entries (-1,
+blocks a sliding window no longer needs) are made from one number, a ``cache_hit``'s
+``info.skipped``, and copied by each fork (``incref``), although the file lists none of them. So
+a replay of a file (``check_replay`` in trace/checks.py) also keeps to two rules:
+
+- a table holds at most as many entries as a sequence of ``MAX_SEQ_TOKENS`` tokens fills
+  (``ceil(MAX_SEQ_TOKENS / block_size)``), so ``skipped = 10**12`` is refused at once;
+- the null entries it builds, summed over the file, stay under a budget that grows with the
+  file: ``NULL_ENTRIES_FLOOR + NULL_ENTRIES_PER_CHAR * len(text)``. A null entry costs 8 bytes
+  (a list slot) and a few nanoseconds: at the defaults a file builds at most 8 MiB of them plus
+  8 bytes a character of its text, less than ``json.loads`` takes for the text itself. Real
+  recordings, a sliding-window model's included, stay far below it (tests/test_trace_fuzz.py
+  checks that the seeds build under a hundredth of it).
+
+Everything else a replay does costs what the event lists (its blocks, sequences and tokens), or
+is a frame, which the frame caps bound.
+
 Each ``check_*`` function returns the value it checked or raises :class:`Problem` with what is
 wrong (``blocks[2] is -1, not a block id of this pool (0..11)``); the caller adds which event.
 """
@@ -31,6 +48,10 @@ MAX_INT = 2**63 - 1  # any other int (an index, a step, a token id): it fits an 
 # that a frame's blocks hold (8 bytes).
 MAX_FRAME_CELLS = 2**21
 MAX_FRAME_SLOTS = 2**25
+# Null table entries (-1) a replay builds that the file does not list (info.skipped, and the
+# copies a fork makes of them): a floor, plus so many per character of the text.
+NULL_ENTRIES_FLOOR = 2**20
+NULL_ENTRIES_PER_CHAR = 1
 
 
 class Problem(Exception):

@@ -22,6 +22,11 @@ Rules worth knowing:
   an earlier run evicts what that run cached.
 - A ``cache_reset`` makes every cached block a free, empty one: its hash and tokens are
   forgotten, as an eviction forgets them, but it is no eviction (nothing took the block).
+- A table's null entries (-1) are real list entries (``tables`` is what the pictures draw), so
+  building them costs their number: a ``cache_hit`` that skips entries builds them, and a fork
+  copies its parent's; ``EventLog.from_json`` bounds how many a file may make (``check_replay``
+  in trace/checks.py). Nothing else reads or copies them: a swap moves the table's list from
+  one pool to the other, and every check reads only the entries an event lists.
 
 A fork shares blocks; a write to a shared block copies it first (copy-on-write)::
 
@@ -44,11 +49,10 @@ A fork shares blocks; a write to a shared block copies it first (copy-on-write):
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterable
+from itertools import repeat
 from typing import Any
 
-from pagedlearn.trace.checks import check_event, check_pool
-
-NULL = -1  # a table entry whose block a sliding window freed (block_table.NULL_BLOCK)
+from pagedlearn.trace.checks import NULL, check_event, check_pool, null_head
 
 # Events are pagedlearn.trace.events.Event records; this module reads only their ``kind``,
 # ``blocks``, ``seqs`` and ``info`` and does not import trace/events.py, which imports it
@@ -98,8 +102,10 @@ class PoolReplay:
         if e.kind in ("allocate", "cache_hit"):
             for b in e.blocks:
                 rc[b] += 1
-            nulls = [NULL] * (e.info.get("skipped") or 0)  # entries a sliding window skips
-            self.tables.setdefault(e.seqs[0], []).extend(nulls + list(e.blocks))
+            table = self.tables.setdefault(e.seqs[0], [])
+            if e.kind == "cache_hit" and e.info.get("skipped"):  # entries a sliding window skips
+                table.extend(repeat(NULL, e.info["skipped"]))  # built in place: no copy of them
+            table.extend(e.blocks)
         elif e.kind == "incref":
             for b in e.blocks:
                 rc[b] += 1
@@ -124,13 +130,15 @@ class PoolReplay:
         elif e.kind == "swap_out":
             for b in e.blocks:
                 rc[b] -= 1
-            nulls = self.tables.pop(e.seqs[0]).count(NULL)  # they stay null, in either pool
-            self.swapped[e.seqs[0]] = [NULL] * nulls + list(e.info["cpu_blocks"])
+            # The same list moves to the other pool: its null head stays (no copy of it), its
+            # blocks become the CPU blocks that now hold their KV.
+            table = self.swapped[e.seqs[0]] = self.tables.pop(e.seqs[0])
+            table[null_head(table) :] = e.info["cpu_blocks"]
         elif e.kind == "swap_in":
             for b in e.blocks:
                 rc[b] += 1
-            nulls = self.swapped.pop(e.seqs[0]).count(NULL)
-            self.tables[e.seqs[0]] = [NULL] * nulls + list(e.blocks)
+            table = self.tables[e.seqs[0]] = self.swapped.pop(e.seqs[0])
+            table[null_head(table) :] = e.blocks
         elif e.kind == "preempt":
             pass  # why blocks moved; the free or swap_out events around it say how
         elif e.kind == "step":
