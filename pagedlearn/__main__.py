@@ -278,7 +278,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
         metavar="PATH",
         help="write the engine's metrics there after the run, in Prometheus' text format",
     )
-    from pagedlearn.serve import add_arguments as add_serve_arguments
+    from pagedlearn.cli.serve import add_arguments as add_serve_arguments
 
     add_serve_arguments(
         command(
@@ -393,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     if args.command == "serve":
-        from pagedlearn.serve import cli as serve_cli
+        from pagedlearn.cli.serve import cli as serve_cli
 
         return serve_cli(args)
     if args.command == "loadtest":

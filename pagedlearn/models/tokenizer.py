@@ -103,3 +103,19 @@ class ByteTokenizer:
                 )
         pieces.append(run.decode("utf-8", errors="replace"))
         return "".join(pieces)
+
+
+def max_chars_per_token(tokenizer) -> int | None:
+    """The most characters of text one token can stand for, or None if unknown: a text of more
+    than ``n * max_chars_per_token(tok)`` characters is more than ``n`` tokens, known without
+    tokenizing it (the server refuses a prompt that long before spending seconds on it).
+
+    The byte tokenizer: 1 (a character is at least one byte). A Hugging Face tokenizer: its
+    longest vocabulary entry -- in a byte-level BPE (GPT-2, OPT, SmolLM2) each character of an
+    entry is one byte of text, and in a SentencePiece one a character of text. (A normalizer
+    that merges characters, NFC say, can make text shorter before it is split: callers keep a
+    margin.)"""
+    if isinstance(tokenizer, ByteTokenizer):
+        return 1
+    vocab = getattr(tokenizer, "get_vocab", None)
+    return max(map(len, vocab()), default=None) if vocab is not None else None

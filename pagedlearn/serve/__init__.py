@@ -15,8 +15,18 @@ Read in this order: ``engine_loop`` (the one thread that owns the ``LLMEngine``;
 talks to it by message), ``streams`` (one request's outputs on the asyncio side), ``protocol``
 (what a request body may say, and its ``SamplingParams``), ``chat`` (messages -> one prompt),
 ``responses`` (OpenAI's bodies and stream chunks), ``middleware`` (OpenAI's error shape, the API
-key, a bug's 500), ``api_server`` (the routes, their errors, streaming). This file starts them
--- the engine loop on its thread, uvicorn on another -- and returns a :class:`ServerHandle`.
+key, a bug's 500), ``api_server`` (the routes, their errors, streaming), ``limits`` (what one
+client may cost the server). This file starts them -- the engine loop on its thread, uvicorn
+on another -- and returns a :class:`ServerHandle`; ``python -m pagedlearn serve`` is its
+command line (pagedlearn/cli/serve.py).
+
+The server has limits, on by default, each a keyword of :func:`serve` and a flag of
+``serve --help``: a body of at most 16 MiB (``max_body_bytes``; refused with a 413 before it is
+read), a request line and headers of at most 16 KiB (``max_header_bytes``) and 100 headers
+(``max_headers``; 431), 10 s to send the headers and 60 s more for the body
+(``header_timeout``, ``body_timeout``; 408), and at most 1024 open connections, fewer if
+``ulimit -n`` is lower (``max_connections``: past it the oldest connection with no request in
+progress is closed, or the newcomer gets a 503). limits.py says why each default.
 
 The context it serves is the model's, or what the block pool holds if that is less
 (``num_blocks * block_size`` tokens; ``srv.max_model_len``, and ``/v1/models`` says it): a
@@ -30,8 +40,6 @@ when a server starts, so the rest of pagedlearn runs without it.
 from __future__ import annotations
 
 import importlib
-import os
-import signal
 import socket
 import sys
 import threading
@@ -42,6 +50,14 @@ from pagedlearn.errors import PagedLearnError
 SERVE_MODULES = ("fastapi", "uvicorn", "pydantic", "prometheus_client")
 DEFAULT_PORT = 8000  # vLLM's
 START_TIMEOUT = 60.0  # seconds uvicorn may take to start listening
+# The limits' defaults (limits.py says why each; ``serve --help`` and the docstring above show
+# them): defined here, not in limits.py, because the command line's help needs them without the
+# web stack that limits.py imports.
+MAX_BODY_BYTES = 16 * 1024 * 1024
+MAX_HEADER_BYTES = 16 * 1024  # h11's own default
+MAX_HEADERS = 100
+HEADER_TIMEOUT = 10.0  # seconds
+BODY_TIMEOUT = 60.0  # seconds
 
 
 class ServeUnavailableError(PagedLearnError, ImportError):
@@ -115,26 +131,49 @@ def serve(
     port: int = DEFAULT_PORT,
     api_key: str | None = None,
     served_model_name: str | None = None,
+    max_body_bytes: int = MAX_BODY_BYTES,
+    max_header_bytes: int = MAX_HEADER_BYTES,
+    max_headers: int = MAX_HEADERS,
+    header_timeout: float = HEADER_TIMEOUT,
+    body_timeout: float = BODY_TIMEOUT,
+    max_connections: int | None = None,
     **llm_kwargs,
 ) -> ServerHandle:
     """Start serving ``model`` (a name :class:`~pagedlearn.LLM` loads, with ``llm_kwargs``; or an
     ``LLM`` already built, whose engine the server then owns until ``stop()``) on
     ``host:port`` (``port=0``: a free port) and return once it listens. ``api_key``: required
-    as ``Authorization: Bearer`` on ``/v1/*``. ``served_model_name``: the name clients send
+    as ``Authorization: Bearer`` on every route but ``/health``; an empty or blank one raises
+    ``auth.ApiKeyError`` (auth.py), and a ``host`` other than loopback without one prints a
+    warning to stderr. ``served_model_name``: the name clients send
     (default: the model's). A ``block_size`` longer than the model's context raises
-    ``demo.OptionError``, as the demo does."""
+    ``demo.OptionError``, as the demo does.
+
+    The limits (limits.py says what each refuses, and why its default): ``max_body_bytes``,
+    ``max_header_bytes`` (request line and headers), ``max_headers`` (how many),
+    ``header_timeout`` and ``body_timeout`` (seconds), ``max_connections`` (None: 1024, or
+    fewer below ``ulimit -n``). A limit that is not a positive number raises
+    ``limits.LimitError`` before anything starts."""
     _require()
     import uvicorn
 
     from pagedlearn.engine.llm import LLM
     from pagedlearn.serve.api_server import build_app
+    from pagedlearn.serve.auth import check_api_key, exposure_warning
     from pagedlearn.serve.engine_loop import EngineLoop
+    from pagedlearn.serve.limits import QuietAcceptServer, ServerLimits, protocol_class
 
+    api_key = check_api_key(api_key)  # before anything starts: never half-configured
     if isinstance(model, LLM) and llm_kwargs:
         raise PagedLearnError(
             f"serve() got an LLM and LLM options ({', '.join(llm_kwargs)}): give one or the other"
         )
+    limits = ServerLimits(
+        max_body_bytes, max_header_bytes, max_headers, header_timeout, body_timeout,
+        max_connections,
+    )  # fmt: skip
     sock = _bind(host, port)  # first: a port in use fails before a model is loaded
+    if warning := exposure_warning(host, api_key, sock.getsockname()[1]):
+        print(warning, file=sys.stderr, flush=True)
     loop = llm = None
     owns = not isinstance(model, LLM)
     try:
@@ -144,9 +183,10 @@ def serve(
         loop = EngineLoop(llm.engine).start()
         app = build_app(loop, name, context, api_key)
         config = uvicorn.Config(
-            app, log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=5
-        )
-        server = uvicorn.Server(config)
+            app, log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=5,
+            http=protocol_class(limits),  # h11 with the limits checked (limits.py)
+        )  # fmt: skip
+        server = QuietAcceptServer(config)
         thread = threading.Thread(
             target=server.run, kwargs={"sockets": [sock]}, name="pagedlearn-http", daemon=True
         )
@@ -223,102 +263,4 @@ def _url(host: str, port: int) -> str:
     return f"http://[{local}]:{port}" if ":" in local else f"http://{local}:{port}"
 
 
-# --- the command line -----------------------------------------------------------------------------
-def add_arguments(parser) -> None:
-    """The ``serve`` command's options (``python -m pagedlearn serve --help``): the demo's own
-    checks and words where the two share an option."""
-    from pagedlearn.__main__ import add_engine_options, int_in
-
-    parser.add_argument(
-        "--model",
-        default="smollm2",
-        help="smollm2 (SmolLM2-135M-Instruct, offline: a real chat template), tiny-gpt2 (offline, "
-        "random weights), gpt2, facebook/opt-125m, a path",
-    )
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: all)")
-    port = int_in(0, 65535)
-    parser.add_argument("--port", type=port, default=DEFAULT_PORT, help="0: any free port")
-    parser.add_argument(  # never the key as its default: --help would print it
-        "--api-key",
-        default=None,
-        metavar="KEY",
-        help="require 'Authorization: Bearer KEY' on /v1/* (default: $PAGEDLEARN_API_KEY if set, "
-        "else none: open)",
-    )
-    parser.add_argument(
-        "--served-model-name", default=None, help="the name clients send (default: --model's)"
-    )
-    add_engine_options(
-        parser,
-        num_blocks_help="blocks in the pool (default: what LLM sizes from the memory budget); a "
-        "pool of fewer tokens than the model's context serves a context of what it holds",
-    )
-    parser.add_argument(
-        "--max-num-seqs", type=int_in(1), default=64, help="sequences one step may run"
-    )
-    parser.add_argument(
-        "--swap-blocks", type=int_in(0), default=None,
-        help="blocks in the CPU swap pool (default: as many as the pool with --preemption-mode "
-        "swap, else none)",
-    )  # fmt: skip
-
-
-def cli(args) -> int:
-    """``python -m pagedlearn serve``: serve until Ctrl-C or SIGTERM (``kill``; a background
-    ``serve &`` of a non-interactive shell ignores Ctrl-C's SIGINT). Exit 2 for an option the
-    model rules out (as the demo), 1 if it cannot start."""
-    from pagedlearn.cli.demo import OptionError
-
-    env_key = os.environ.get("PAGEDLEARN_API_KEY") or None
-    api_key = args.api_key or env_key
-    try:
-        srv = serve(
-            args.model,
-            host=args.host,
-            port=args.port,
-            api_key=api_key,
-            served_model_name=args.served_model_name,
-            block_size=args.block_size,
-            num_blocks=args.num_blocks,
-            preemption_mode=args.preemption_mode,
-            attention_backend=args.backend,
-            enable_prefix_caching=not args.no_prefix_caching,
-            max_num_seqs=args.max_num_seqs,
-            swap_blocks=args.swap_blocks,
-            tensor_parallel_size=args.tensor_parallel_size,
-        )
-    except OptionError as e:  # a usage error, reported with serve's usage, as the demo does
-        from pagedlearn.__main__ import build_parser
-
-        build_parser()[1]["serve"].error(f"argument --{e.option.replace('_', '-')}: {e}")
-    except PagedLearnError as e:
-        print(f"serve stopped: {e}", file=sys.stderr)
-        return 1
-    key = "$PAGEDLEARN_API_KEY" if not args.api_key else "KEY"
-    auth = f' -H "Authorization: Bearer {key}"' if api_key else ""  # (never the key itself)
-    body = f'{{"model": "{srv.model_name}", "prompt": "Hello, my name is", "max_tokens": 16}}'
-    print(f"pagedlearn: serving {srv.model_name} at {srv.base_url} (Ctrl-C stops it)", flush=True)
-    print(
-        f"  try: curl {srv.base_url}/completions -H 'Content-Type: application/json'{auth} "
-        f"-d '{body}'",
-        flush=True,  # a log file or a pipe sees where it listens now, not at exit
-    )
-    on_main = threading.current_thread() is threading.main_thread()  # (signals: there only)
-    previous = signal.signal(signal.SIGTERM, _interrupt) if on_main else None
-    try:
-        srv.wait()
-    except KeyboardInterrupt:
-        print("pagedlearn: stopping", flush=True)
-    finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
-        srv.stop()
-    return 0
-
-
-def _interrupt(signum, frame) -> None:
-    """SIGTERM: stop as Ctrl-C does."""
-    raise KeyboardInterrupt
-
-
-__all__ = ["ServeUnavailableError", "ServerHandle", "add_arguments", "cli", "serve"]
+__all__ = ["ServeUnavailableError", "ServerHandle", "serve"]

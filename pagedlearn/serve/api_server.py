@@ -7,7 +7,8 @@
     POST /v1/chat/completions   ┘  ─> loop.add_request ─> stream ─> one JSON body, or SSE chunks
     GET  /v1/models                the one model served
     GET  /health                   200, or 503 once the engine is broken or stopped
-    GET  /metrics                  Prometheus text, read on the engine thread (loop.call)
+    GET  /metrics                  Prometheus text, read on the engine thread (loop.call), one
+                                   read shared by the scrapes that wait for it (SharedRead)
 
 Streaming is Server-Sent Events: ``data: {chunk}\\n\\n`` per chunk, ``data: [DONE]\\n\\n`` last.
 A client that goes away is noticed at once (uvicorn tells the app): a stream's generator is
@@ -17,12 +18,22 @@ cancelled by Starlette, a non-streaming request is raced against the disconnect
 its blocks go back to the pool. Every chunk's JSON escapes U+2028, U+2029 and U+0085: clients
 that split the stream with ``str.splitlines`` (httpx's ``iter_lines``) end a line at them.
 
+A request reaches these routes only within the server's limits (limits.py: body size, header
+size and count, header and body timeouts, connections), checked in the HTTP protocol before the
+app sees it. A text prompt longer than the served context could hold in any tokenization
+(``protocol.check_prompt_chars``) is refused before it is tokenized; a shorter one's chat
+template and tokenization run on a worker thread, not on the event loop: a long prompt does not
+stall the other clients, ``/health`` included. Parsing the body (pydantic) stays on the event
+loop, its cost bounded by the body limit.
+
 Every error is OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}`` with ``code``
 the HTTP status: a bad body is a 400 naming the field (never FastAPI's 422; a body sent without
 ``Content-Type: application/json`` is one too, as in vLLM), an unknown model a 404, a wrong or
-missing ``Authorization: Bearer`` key a 401 on ``/v1/*`` when the server has a key
-(middleware.py; ``/health`` and ``/metrics`` stay open, as in vLLM), a stopped or broken engine
-a 503. A failure of the engine while streaming arrives as a last ``data: {"error": ...}`` event.
+missing ``Authorization: Bearer`` key a 401 on every route but ``/health`` when the server
+has a key (middleware.py says why ``/metrics`` and the docs are guarded where vLLM leaves them
+open), a stopped or broken engine a 503. A message quotes only a prefix of what the client sent
+(middleware.py's ``preview``). A failure of the engine while streaming arrives as a last
+``data: {"error": ...}`` event.
 A bug in the server is a JSON 500 too, logged once with its traceback (middleware.py), and the
 connection stays open: Starlette's own handler would send the 500 and then raise again, and
 uvicorn would close the connection.
@@ -35,6 +46,7 @@ import contextlib
 import json
 import logging
 import re
+import threading
 import time
 
 from fastapi import FastAPI, Request
@@ -46,6 +58,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedlearn.engine.admission import RequestRejectedError
 from pagedlearn.engine.prometheus import prometheus_text
+from pagedlearn.models.tokenizer import max_chars_per_token
+from pagedlearn.serve.auth import check_api_key
 from pagedlearn.serve.chat import chat_prompt_ids
 from pagedlearn.serve.engine_loop import (
     EngineDeadError,
@@ -58,12 +72,14 @@ from pagedlearn.serve.middleware import (
     InternalErrorMiddleware,
     error_body,
     error_response,
+    preview,
 )
 from pagedlearn.serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     ProtocolError,
     check_pool,
+    check_prompt_chars,
 )
 from pagedlearn.serve.responses import Reply
 
@@ -77,11 +93,14 @@ def build_app(
     ``max_model_len`` tokens (what serve() serves: at most what the pool holds)."""
     app = FastAPI(title="pagedlearn", summary="PagedAttention, small: an OpenAI-compatible server")
     tokenizer = loop.engine.tokenizer
+    vocab_size = loop.engine.model.config.vocab_size  # token ids sent must be below it
+    chars_per_token = max_chars_per_token(tokenizer)  # what a prompt of the context can be
+    tokenizing = threading.Lock()  # (tokenize() below)
     started = int(time.time())  # /v1/models' "created": when this server started serving it
     _install_error_handlers(app)
     app.add_middleware(InternalErrorMiddleware)
-    if api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    if api_key is not None:  # ("": ApiKeyError, never an open server)
+        app.add_middleware(ApiKeyMiddleware, api_key=check_api_key(api_key))
 
     def check_model(name: str | None) -> None:
         if name is not None and name != model_name:
@@ -93,10 +112,11 @@ def build_app(
             return error_response(503, loop.error)
         return Response(status_code=200)
 
+    metrics_page = SharedRead(loop, lambda engine: prometheus_text(engine, model_name))
+
     @app.get("/metrics")
     async def metrics() -> Response:
-        page = await asyncio.wrap_future(loop.call(lambda e: prometheus_text(e, model_name)))
-        return Response(page, media_type=CONTENT_TYPE_LATEST)
+        return Response(await metrics_page(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -114,23 +134,44 @@ def build_app(
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request) -> Response:
         check_model(body.model)
-        prompt = body.one_prompt()
-        # Tokenized here, on the event loop, so that the context check can say the prompt's
-        # length (the engine only ever sees ids). The tokenizer is shared with the engine
-        # thread, which only decodes: a Hugging Face tokenizer encodes and decodes from two
-        # threads safely as long as nobody changes its truncation or padding settings.
-        ids = list(tokenizer.encode(prompt)) if isinstance(prompt, str) else prompt
-        return await serve_one(raw, body, "completion", ids)
+
+        prompt = body.one_prompt(vocab_size)
+        if isinstance(prompt, str):
+            check_prompt_chars(len(prompt), max_model_len, chars_per_token)
+
+        def prompt_ids() -> list[int]:
+            return list(tokenizer.encode(prompt)) if isinstance(prompt, str) else prompt
+
+        # Tokenized here, not on the engine thread, so that the context check can say the
+        # prompt's length (the engine only ever sees ids).
+        return await serve_one(raw, body, "completion", await tokenize(prompt_ids))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
         check_model(body.model)
-        ids = chat_prompt_ids(tokenizer, body.chat_messages())
+        messages = body.chat_messages()
+        chars = sum(len(m["content"]) for m in messages)  # (the template adds more)
+        check_prompt_chars(chars, max_model_len, chars_per_token, "messages")
+        ids = await tokenize(lambda: chat_prompt_ids(tokenizer, messages))
         return await serve_one(raw, body, "chat", ids)
+
+    async def tokenize(fn) -> list[int]:
+        """``fn()`` -- a prompt's template and tokenization -- on a worker thread: a prompt as
+        long as check_prompt_chars lets through takes seconds to tokenize, and on the event
+        loop it would stall every other client, ``/health`` too. One at a time (the lock): the
+        tokenizer is shared with the engine thread, which only decodes, and a Hugging Face
+        tokenizer encodes and decodes from two threads safely as long as nobody changes its
+        truncation or padding settings."""
+
+        def locked() -> list[int]:
+            with tokenizing:
+                return fn()
+
+        return await asyncio.to_thread(locked)
 
     async def serve_one(raw: Request, body, kind: str, ids: list[int]) -> Response:
         """Both endpoints from here: the prompt's token ids in, one response out."""
-        params = body.sampling_params(len(ids), max_model_len)
+        params = body.sampling_params(len(ids), max_model_len, vocab_size)
         check_pool(loop.engine.kv, len(ids), params, body.requested_max_tokens()[1])
         reply = Reply(kind, model_name, tokenizer, params.logprobs)
         stream_it = bool(body.stream)
@@ -158,6 +199,28 @@ def build_app(
         return JSONResponse(reply.response(out))
 
     return app
+
+
+class SharedRead:
+    """``await read()``: ``fn(engine)``'s result, read on the engine thread (``loop.call``), one
+    read shared by every caller that arrives before it has started. ``/metrics`` is read so: a
+    flood of scrapes costs the engine one read between two steps, not one per scrape, and each
+    caller still gets a page read after it asked (never an older one)."""
+
+    def __init__(self, loop: EngineLoop, fn) -> None:
+        self._loop, self._fn = loop, fn
+        self._next: tuple[asyncio.Future, list] | None = None  # (the read, [has it started?])
+
+    async def __call__(self):
+        if self._next is None or self._next[1][0]:
+            started = [False]
+
+            def read(engine):
+                started[0] = True  # (engine thread) a caller from now on needs a read of its own
+                return self._fn(engine)
+
+            self._next = (asyncio.wrap_future(self._loop.call(read)), started)
+        return await asyncio.shield(self._next[0])  # (a caller that leaves cancels only itself)
 
 
 async def _last(stream: RequestStream):
@@ -281,14 +344,14 @@ def describe_validation_error(errors: list[dict]) -> tuple[str | None, str]:
     if kind == "missing" and not loc:
         return None, "the request body is empty: send a JSON object"
     if kind == "model_attributes_type" and not loc:
-        return None, f"the request body must be a JSON object, got {err.get('input')!r:.80}"
+        return None, f"the request body must be a JSON object, got {preview(err.get('input'))}"
     if kind == "extra_forbidden":
-        return field, f"unknown field {field!r}: pagedlearn's server does not take it"
+        return field, f"unknown field {preview(field)}: pagedlearn's server does not take it"
     if kind == "missing":
         return field, f"{field} is required"
     same = dict.fromkeys(e["msg"] for e in errors if _field_path(e) == loc)  # (ordered set)
     what = field or "the request body"
-    return field, f"{what}: {' or '.join(same)} (got {err.get('input')!r:.80})"
+    return field, f"{what}: {' or '.join(same)} (got {preview(err.get('input'))})"
 
 
 def _field_path(err: dict) -> list[str]:

@@ -12,14 +12,27 @@ vLLM's extensions that pagedlearn's engine implements (``top_k``, ``ignore_eos``
 - a field pagedlearn does not implement has a value other than its neutral one (:data:`NEUTRAL`:
   ``presence_penalty`` 0, ``echo`` false, ``best_of`` equal to ``n``, ...): a client that sends
   the defaults works, one that asks for the feature learns it is missing;
-- a value has the wrong type (pydantic) or is out of range (``SamplingParams``' own checks: a
-  ``seed`` in [0, 2**63 - 1], a finite ``temperature``, ...), or a text holds a lone surrogate
-  (JSON allows ``"\\ud800"``; no tokenizer can encode it);
+- a value has the wrong JSON type. Types are strict, as OpenAI's API is (pydantic's strict
+  mode): an integer field (``max_tokens``, ``n``, ``seed``, a token id) takes a JSON integer,
+  not ``"4"``, ``true`` or ``4.0``; a boolean takes ``true``/``false``, not ``"true"`` or ``1``;
+  a number field (``temperature``, ``top_p``) takes an integer too (``"temperature": 1``), as
+  JSON Schema's ``number`` does. Token ids (a prompt sent as ids, ``stop_token_ids``) are ints
+  >= 0, and below the model's vocabulary size where the caller gives it (:func:`check_token_ids`);
+- a value is out of range (``SamplingParams``' own checks: a ``seed`` in [0, 2**63 - 1], a
+  finite ``temperature``, ...);
+- any string anywhere in the body -- the prompt, a message, ``stop``, ``user``, ``cache_salt``, a
+  message's ``name``, a key of ``logit_bias`` -- holds a lone surrogate (JSON allows
+  ``"\\ud800"``; no tokenizer can encode it, and it has no UTF-8): one walk over the whole body
+  (:meth:`_Body.check_text`), not a list of fields, so a field added later is covered;
 - ``cache_salt`` breaks vLLM's rule (:func:`check_cache_salt`);
 - the prompt alone, or the prompt plus ``max_tokens``, do not fit the served context
   (:func:`resolve_max_tokens`): pagedlearn refuses the second with a 400 where vLLM 0.33 would
   shorten ``max_tokens`` to what is left, with older vLLM's wording;
 - the request's samples could never be held by the block pool at once (:func:`check_pool`).
+
+A message that quotes what the client sent quotes a bounded prefix of it (middleware.py's
+``preview``): a body of 1,000 stop strings of 10 kB gets an error of a few hundred bytes, not
+10 MB.
 
 Defaults are OpenAI's: ``temperature`` 1 (sampling: send 0 for greedy), ``top_p`` 1, ``n`` 1;
 ``max_tokens`` 16 for completions, and for chat (or an explicit ``null``) the rest of the context,
@@ -28,12 +41,17 @@ as vLLM does.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+import re
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic_core import PydanticCustomError
 
 from pagedlearn.engine.sampling_params import SamplingParams
 from pagedlearn.errors import PagedLearnError
+from pagedlearn.serve.middleware import clip, preview
+
+TokenId = Annotated[int, Field(ge=0)]  # (below the vocabulary size: check_token_ids)
 
 
 class ProtocolError(PagedLearnError, ValueError):
@@ -46,7 +64,27 @@ class ProtocolError(PagedLearnError, ValueError):
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """A part of a request body: unknown fields refused, JSON types strict (an int is not
+    ``"4"``, ``true`` or ``4.0``; a float field takes an int, as pydantic's strict mode allows)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    def check_text(self, prefix: str = "") -> None:
+        """Refuse a lone surrogate in any string of this body, at any depth (nested parts,
+        lists, a dict's keys and values): the one rule for every string field. Iterative, so a
+        deeply nested ``tools`` cannot exhaust Python's stack."""
+        todo = [(getattr(self, n), prefix + n) for n in reversed(type(self).model_fields)]
+        while todo:  # depth first, in the body's order: the first bad string is the one named
+            value, path = todo.pop()
+            if isinstance(value, str):
+                utf8_text(value, path)
+            elif isinstance(value, _Body):
+                names = reversed(type(value).model_fields)
+                todo += [(getattr(value, n), f"{path}.{n}") for n in names]
+            elif isinstance(value, (list, tuple)):
+                todo += [(value[i], f"{path}.{i}") for i in range(len(value) - 1, -1, -1)]
+            elif isinstance(value, dict):  # (a key's path would quote the key: the dict's path)
+                todo += [(x, path) for kv in reversed(value.items()) for x in reversed(kv)]
 
 
 class StreamOptions(_Body):
@@ -63,7 +101,7 @@ class _SamplingRequest(_Body):
     top_p: float | None = None
     top_k: int | None = None  # vLLM's extension; None, 0 or -1: off
     seed: int | None = None
-    stop: str | list[str] | None = None
+    stop: str | list[str] | None = None  # (each non-empty: check)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # OpenAI's end-user id: accepted, not used
@@ -74,7 +112,7 @@ class _SamplingRequest(_Body):
     # vLLM's extensions
     cache_salt: str | None = None
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool = False
     max_tokens: int | None = None  # (each endpoint has its own default)
 
@@ -82,14 +120,20 @@ class _SamplingRequest(_Body):
     prompt_field: ClassVar[str] = "prompt"
 
     def check(self) -> None:
-        """Refuse what pagedlearn does not implement, and vLLM's own cross-field rules."""
+        """Refuse a lone surrogate anywhere, what pagedlearn does not implement, and vLLM's own
+        cross-field rules."""
+        self.check_text()
         for name, (neutral, allowed) in NEUTRAL.items():
             if name in type(self).model_fields and not neutral(getattr(self, name), self):
                 raise ProtocolError(
-                    f"{name}={getattr(self, name)!r} is not supported by pagedlearn's server "
-                    f"(it accepts only {allowed}); leave it out",
+                    f"{name}={preview(getattr(self, name))} is not supported by pagedlearn's "
+                    f"server (it accepts only {allowed}); leave it out",
                     name,
                 )
+        if isinstance(self.stop, list) and "" in self.stop:
+            raise ProtocolError(
+                f"stop.{self.stop.index('')} is empty: each stop string must be non-empty", "stop"
+            )
         if self.stream_options is not None and not self.stream:
             raise ProtocolError(
                 "Stream options can only be defined when `stream=True`.", "stream_options"
@@ -109,9 +153,13 @@ class _SamplingRequest(_Body):
     def logprobs_k(self) -> int | None:
         return None
 
-    def sampling_params(self, prompt_len: int, max_model_len: int) -> SamplingParams:
-        """The engine's parameters for a prompt of ``prompt_len`` tokens (400s: ProtocolError)."""
+    def sampling_params(
+        self, prompt_len: int, max_model_len: int, vocab_size: int | None = None
+    ) -> SamplingParams:
+        """The engine's parameters for a prompt of ``prompt_len`` tokens (400s: ProtocolError);
+        ``vocab_size``: the model's, which every stop token id must be below (None: unchecked)."""
         self.check()
+        check_token_ids(self.stop_token_ids or (), vocab_size, "stop_token_ids")
         asked, field = self.requested_max_tokens()
         max_tokens = resolve_max_tokens(asked, prompt_len, max_model_len, field, self.prompt_field)
         top_k = -1 if self.top_k in (None, 0) else self.top_k
@@ -130,8 +178,8 @@ class _SamplingRequest(_Body):
                 logprobs=self.logprobs_k(),
             )
         except PagedLearnError as e:  # SamplingParams' messages start with the field's name
-            name = str(e).split(" ", 1)[0]
-            raise ProtocolError(str(e), self.param_name(name)) from None
+            name = str(e).split(" ", 1)[0]  # (they quote the whole value: cut, as error_body does)
+            raise ProtocolError(clip(str(e)), self.param_name(name)) from None
 
     def param_name(self, name: str) -> str:
         return name
@@ -140,15 +188,32 @@ class _SamplingRequest(_Body):
 class CompletionRequest(_SamplingRequest):
     """``POST /v1/completions``: one prompt, as text or token ids."""
 
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
     max_tokens: int | None = 16
     logprobs: int | None = None  # k: the sampled token's logprob and the k most likely
     echo: bool | None = False
     suffix: str | None = None
     best_of: int | None = None
 
-    def one_prompt(self) -> str | list[int]:
-        """The prompt; a batch of prompts in one body (OpenAI allows it) is refused."""
+    @field_validator("prompt", mode="wrap")
+    @classmethod
+    def _one_error_for_prompt(cls, value, handler):
+        """One error for a prompt of the wrong type, not one per type it may have (pydantic
+        reports a union's every member: "a valid string", "a valid list", ...)."""
+        try:
+            return handler(value)
+        except ValidationError:
+            raise PydanticCustomError(
+                "prompt_type",
+                "Input should be a valid string, a list of token ids (ints >= 0), or a list of "
+                "one of those{detail}",
+                {"detail": _bad_token_id(value)},
+            ) from None
+
+    def one_prompt(self, vocab_size: int | None = None) -> str | list[int]:
+        """The prompt (checked: :meth:`check_text`; its token ids below ``vocab_size``, if
+        given); a batch of prompts in one body (OpenAI allows it) is refused."""
+        self.check_text()
         p = self.prompt
         if isinstance(p, list) and p and isinstance(p[0], (str, list)):
             if len(p) != 1:
@@ -158,7 +223,9 @@ class CompletionRequest(_SamplingRequest):
                     "prompt",
                 )
             p = p[0]
-        return utf8_text(p, "prompt") if isinstance(p, str) else p
+        if not isinstance(p, str):
+            check_token_ids(p, vocab_size, "prompt")
+        return p
 
     def logprobs_k(self) -> int | None:
         return self.logprobs
@@ -204,11 +271,10 @@ class ChatCompletionRequest(_SamplingRequest):
     prompt_field: ClassVar[str] = "messages"
 
     def chat_messages(self) -> list[dict]:
-        """The messages as ``{"role", "content"}`` dicts (content as text), for chat.py."""
-        return [
-            {"role": m.role, "content": utf8_text(m.text(), f"messages.{i}.content")}
-            for i, m in enumerate(self.messages)
-        ]
+        """The messages as ``{"role", "content"}`` dicts (content as text), for chat.py; every
+        string of the body checked first (:meth:`check_text`)."""
+        self.check_text()
+        return [{"role": m.role, "content": m.text()} for m in self.messages]
 
     def requested_max_tokens(self) -> tuple[int | None, str]:
         if self.max_completion_tokens is not None:
@@ -236,18 +302,45 @@ NEUTRAL = {
 }
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
 def utf8_text(text: str, field: str) -> str:
     """``text``, if it can be written as UTF-8: a JSON string may escape a lone surrogate
-    (``"\\ud800"``), which Python keeps and no tokenizer can encode."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
+    (``"\\ud800"``), which Python keeps and no tokenizer can encode. (A search, not an
+    ``encode``: a 50 MB prompt is not copied to be checked.)"""
+    if bad := _SURROGATE.search(text):
         raise ProtocolError(
-            f"{field} is not valid Unicode: it holds a lone surrogate ({text[e.start]!r}) at "
-            f"character {e.start}; a \\ud800-\\udfff escape in JSON must be one of a pair",
+            f"{field} is not valid Unicode: it holds a lone surrogate ({bad.group()!r}) at "
+            f"character {bad.start()}; a \\ud800-\\udfff escape in JSON must be one of a pair",
             field,
-        ) from None
+        )
     return text
+
+
+def check_token_ids(ids, vocab_size: int | None, field: str) -> None:
+    """Refuse a token id at or above ``vocab_size`` (None: not checked; below 0 is refused by
+    the type, :data:`TokenId`): the engine would index its embedding with it, or wait for a
+    token the model can never sample."""
+    if vocab_size is None:
+        return
+    for i, t in enumerate(ids):
+        if t >= vocab_size:
+            raise ProtocolError(
+                f"{field}.{i} is {preview(t)}, outside the vocabulary (0..{vocab_size - 1})",
+                field,  # (the message says which one)
+            )
+
+
+def _bad_token_id(value) -> str:
+    """What is wrong in a prompt that is a list but not of token ids: its first item that is
+    not an int >= 0 (a bool is not an int, nor is 1.0), in words for the 400 (or "")."""
+    if not isinstance(value, list) or any(isinstance(v, (str, list)) for v in value):
+        return ""
+    for i, v in enumerate(value):
+        if type(v) is not int or v < 0:
+            return f" (item {i} is {preview(v)})"
+    return ""
 
 
 MAX_CACHE_SALT_LENGTH = 128  # vLLM's
@@ -269,6 +362,30 @@ def check_cache_salt(salt: str | None) -> None:
             "Parameter 'cache_salt' must be at most 128 characters and must "
             "not contain '@', '/', '\\\\', or NUL.",
             "cache_salt",
+        )
+
+
+# A prompt of more characters than its context's tokens could ever stand for is refused before
+# it is tokenized (seconds, for a prompt near the body limit); the margin covers a normalizer
+# that makes text shorter before it is split (models/tokenizer.py, max_chars_per_token).
+PROMPT_CHARS_MARGIN = 2
+
+
+def check_prompt_chars(
+    chars: int, max_model_len: int, chars_per_token: int | None, field: str = "prompt"
+) -> None:
+    """Refuse a prompt of ``chars`` characters that cannot fit ``max_model_len`` tokens, when
+    one token stands for at most ``chars_per_token`` characters (None: unknown, no check)."""
+    if chars_per_token is None:
+        return
+    most = max_model_len * chars_per_token * PROMPT_CHARS_MARGIN
+    if chars > most:
+        raise ProtocolError(
+            f"This model's maximum context length is {max_model_len} tokens. However, your "
+            f"prompt is {chars} characters long, more than {max_model_len} tokens of this "
+            f"tokenizer can hold (at most {most} characters; it was not tokenized). Please "
+            "reduce the length of the input prompt.",
+            field,
         )
 
 
