@@ -1,5 +1,6 @@
 """Helpers shared by the tests (imported as ``from helpers import ...``)."""
 
+import contextlib
 import importlib
 import sys
 from pathlib import Path
@@ -177,3 +178,36 @@ def filled(lab: Lab, bodies: dict[str, str]) -> dict[str, str]:
             lines[lineno - 1] = stubs[lineno]
         files[name] = "".join(lines)
     return files
+
+
+@contextlib.contextmanager
+def serve_command(args: list[str], env: dict, **popen):
+    """``python -m pagedlearn serve ARGS`` in a subprocess, yielded once it says where it listens
+    (within 60 s), as ``(proc, lines)``: ``lines`` keeps growing with what it prints (stdout
+    and stderr). Stopped on exit (SIGTERM, then SIGKILL), and ``lines`` holds all it printed."""
+    import subprocess
+    import threading
+    import time
+
+    command = [sys.executable, "-m", "pagedlearn", "serve", *args]
+    proc = subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen
+    )
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: [lines.append(x) for x in proc.stdout], daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not any(" at http" in x for x in lines):
+            assert time.monotonic() < deadline and proc.poll() is None, lines
+            time.sleep(0.05)
+        yield proc, lines
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+        reader.join(10)

@@ -13,14 +13,14 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import threading
-import time
 
 import pytest
 
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
+
+from helpers import serve_command  # noqa: E402
 
 from pagedlearn.serve import serve  # noqa: E402
 from pagedlearn.serve.auth import (  # noqa: E402
@@ -141,24 +141,10 @@ def test_a_network_address_without_a_key_is_warned_about():
 def test_serving_on_every_address_without_a_key_warns_and_says_where(tmp_path):
     """The command line on 0.0.0.0 (stopped as soon as it listens): the warning on stderr, and
     the startup line names 0.0.0.0, the address it bound."""
-    command = [sys.executable, "-m", "pagedlearn", "serve", "--model", "tiny-gpt2",
-               "--host", "0.0.0.0", "--port", "0", "--num-blocks", "4"]  # fmt: skip
+    args = ["--model", "tiny-gpt2", "--host", "0.0.0.0", "--port", "0", "--num-blocks", "4"]
     env = {k: v for k, v in os.environ.items() if k != "PAGEDLEARN_API_KEY"}
-    proc = subprocess.Popen(
-        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-    lines: list[str] = []
-    reader = threading.Thread(target=lambda: [lines.append(x) for x in proc.stdout], daemon=True)
-    reader.start()
-    try:
-        deadline = time.monotonic() + 60
-        while not any(" at http" in x for x in lines):
-            assert time.monotonic() < deadline and proc.poll() is None, lines
-            time.sleep(0.05)
-    finally:
-        proc.terminate()
-        proc.wait(30)
-        reader.join(10)
+    with serve_command(args, env) as (_, lines):
+        pass  # (stopped as soon as it listens)
     said = "".join(lines)
     assert "WARNING" in said and "anyone who can reach port" in said, said
     assert " at http://0.0.0.0:" in said, said

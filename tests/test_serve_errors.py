@@ -16,9 +16,7 @@ import logging
 import os
 import signal
 import socket
-import subprocess
 import sys
-import threading
 import time
 
 import pytest
@@ -27,6 +25,8 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
+
+from helpers import serve_command  # noqa: E402
 
 from pagedlearn.serve import serve  # noqa: E402
 
@@ -449,20 +449,9 @@ def test_serve_stops_on_sigterm_and_says_its_context(tmp_path):
     in a script): it says the context it serves, takes the key from $PAGEDLEARN_API_KEY, and
     SIGTERM stops it as Ctrl-C does (exit 0)."""
     env = {**os.environ, "PAGEDLEARN_API_KEY": "env-key"}
-    command = [sys.executable, "-m", "pagedlearn", "serve", "--model", "tiny-gpt2", "--port", "0",
-               "--num-blocks", "4"]  # fmt: skip
-    proc = subprocess.Popen(
-        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
-    )  # fmt: skip
-    lines: list[str] = []
-    reader = threading.Thread(target=lambda: [lines.append(x) for x in proc.stdout], daemon=True)
-    reader.start()
-    try:
-        deadline = time.monotonic() + 60
-        while not any(" at http" in x for x in lines):
-            assert time.monotonic() < deadline and proc.poll() is None, lines
-            time.sleep(0.05)
+    args = ["--model", "tiny-gpt2", "--port", "0", "--num-blocks", "4"]
+    ignore_sigint = lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)  # noqa: E731
+    with serve_command(args, env, preexec_fn=ignore_sigint) as (proc, lines):
         said = "".join(lines)
         assert "serving a context of 64 tokens, what the pool holds (4 blocks x 16" in said
         url = said.split(" at ", 1)[1].split()[0]
@@ -471,11 +460,6 @@ def test_serve_stops_on_sigterm_and_says_its_context(tmp_path):
         assert models.json()["data"][0]["max_model_len"] == 64
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
-    reader.join(10)
     out = "".join(lines)
     assert proc.returncode == 0, out
     assert "pagedlearn: stopping" in out and "Traceback" not in out
