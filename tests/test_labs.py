@@ -467,3 +467,16 @@ def test_a_submission_that_imports_the_reference_scores_zero_and_is_told_why(tmp
     assert results["score"] == 0 and len(results["tests"]) == len(get("cow").checks)
     assert all("not written in the submission" in t["output"] for t in results["tests"])
     assert "write your own" in r.stdout
+
+
+@pytest.mark.parametrize("load, usable, factor", [(0.3, 2, 1.0), (3.0, 2, 1.5), (9.0, 2, 4.5),
+                                                  (100.0, 2, 8.0), (9.0, 16, 1.0)])  # fmt: skip
+def test_a_check_gets_more_time_on_a_busy_machine(monkeypatch, load, usable, factor):
+    """A check's limit grows with the load per usable CPU (issue 33: at load 9 on two cores,
+    the scheduler lab's reference was stopped as an endless loop after 30 s), within bounds."""
+    from pagedlearn.cli import threads
+    from pagedlearn.labs import runner
+
+    monkeypatch.setattr(runner.os, "getloadavg", lambda: (load, load, load))
+    monkeypatch.setattr(threads, "usable_cpus", lambda: usable)
+    assert runner.busy_factor() == factor

@@ -183,10 +183,31 @@ def write(py: Path, out=print) -> Path:
 
     ipynb = py.with_suffix(".ipynb")
     nb = execute(py, check=False)
-    kept = keep_committed_timings(nb, jupytext.read(ipynb)) if ipynb.exists() else 0
+    committed = _committed(ipynb)
+    kept = keep_committed_timings(nb, committed) if committed is not None else 0
     jupytext.write(nb, ipynb)
     out(f"{ipynb.name}: outputs stored ({kept} timing cell(s) kept as committed)")
     return ipynb
+
+
+def _committed(ipynb: Path):
+    """The notebook as git's HEAD has it (what readers have), else as it is on disk, else None.
+    Not simply the file: ``make notebooks`` runs ``jupytext --sync`` first, which writes an
+    edited cell's new source into the .ipynb beside its old output, and that output would then
+    look current to :func:`keep_committed_timings`."""
+    import subprocess
+
+    import jupytext
+
+    try:
+        top = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=ipynb.parent,
+                             capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+        rel = ipynb.resolve().relative_to(Path(top).resolve()).as_posix()
+        text = subprocess.run(["git", "show", f"HEAD:{rel}"], cwd=top, capture_output=True,
+                              text=True, check=True).stdout  # fmt: skip
+        return jupytext.reads(text, fmt="ipynb")
+    except (OSError, ValueError, subprocess.CalledProcessError):  # no git, or a new chapter
+        return jupytext.read(ipynb) if ipynb.exists() else None
 
 
 def main(argv=None) -> int:
