@@ -26,9 +26,10 @@ the systems take turns on ``--repeats`` runs (interleaved, so that a burst of lo
 processes hits them alike; fresh prompts, or for the mix an emptied prefix cache / a new
 generate_batch manager, so that no run finds the previous run's prompts cached). Printed:
 medians and the min..max spread, ratios to pagedlearn, how many outputs were token-for-token
-the same as pagedlearn's, the machine, torch's thread count (``--threads``, default 1: on a
-shared CPU more threads fight over the cores, and a step of many small ops suffers most) and the
-load average. It asserts nothing.
+the same as pagedlearn's, the machine, torch's thread count and where it came from (``--threads``;
+by default the count pagedlearn chose when it was imported, pagedlearn/cli/threads.py: 1 on a busy
+two-core machine, where more threads fight over the cores and a step of many small ops suffers
+most) and the load average. It asserts nothing.
 
 Goals (issues 17 and 30): pagedlearn at least as fast as both at every batch size, ahead on the
 mix, bookkeeping < 10% of a step.
@@ -38,7 +39,7 @@ mix, bookkeeping < 10% of a step.
 architecture with random weights and the byte tokenizer: real-size compute without a download.
 
 Usage: python benchmarks/bench_engine.py [--model auto|smollm2|tiny-gpt2|gpt2-size-random|...]
-       [--threads 1] [--num-prompts 32] [--max-tokens 64] [--batch-sizes 1,4,16]
+       [--threads N] [--num-prompts 32] [--max-tokens 64] [--batch-sizes 1,4,16]
        [--decode-tokens 32] [--mix-entries 36] [--mix-batch 8] [--repeats 3]
        [--device auto|cpu|cuda] [--kv-memory padded|default] [--quick]
 """
@@ -70,6 +71,7 @@ from engine_systems import (
 )
 
 from pagedlearn import LLM, SamplingParams
+from pagedlearn.cli import threads
 from pagedlearn.models import load
 from pagedlearn.models.runner import kv_cache_spec
 
@@ -205,7 +207,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add = parser.add_argument
     add("--model", default="auto", help="auto: gpt2 if cached, else smollm2, else tiny-gpt2")
-    add("--threads", type=int, default=1, help="torch.set_num_threads (default 1)")
+    add("--threads", type=int, help="torch.set_num_threads (default: pagedlearn's choice, "
+        "pagedlearn/cli/threads.py; PAGEDLEARN_NUM_THREADS)")  # fmt: skip
     add("--num-prompts", type=int, default=32, help="1. fixed length: prompts")
     add("--max-tokens", type=int, default=64, help="1. fixed length: new tokens per prompt")
     add("--batch-sizes", default="1,4,16", help="2. decode step: batch sizes")
@@ -225,13 +228,16 @@ def main() -> None:
     stop_tokens = 16 if args.quick else STOP_MAX_TOKENS  # quick: random weights never stop
     warm = not args.quick  # quick: sections 2 and 3 rely on section 1's warm-up
     sizes = [int(b) for b in args.batch_sizes.split(",") if b.strip().isdigit()]
-    small = min([args.threads, args.mix_entries, args.mix_batch, *sizes])
+    small = min(
+        [1 if args.threads is None else args.threads, args.mix_entries, args.mix_batch, *sizes]
+    )
     if small < 1 or args.decode_tokens < 2 or len(sizes) != len(args.batch_sizes.split(",")):
         parser.error(
             "--threads, --mix-entries, --mix-batch and each of --batch-sizes (comma-separated) "
             "must be integers >= 1, --decode-tokens >= 2"
         )
-    torch.set_num_threads(args.threads)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     device = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -240,6 +246,9 @@ def main() -> None:
     started = time.perf_counter()
     loaded = load(args.model)
     print(machine_line(device))
+    print(
+        threads.describe() if args.threads is None else f"torch threads: {args.threads} (--threads)"
+    )
     why = " (--model auto: no gpt2 or smollm2 here)" if loaded.offline_stand_in else ""
     print(f"model: {loaded.name}{why}, {loaded.model.dtype}, device {device}")
     config, tok = loaded.model.config, loaded.tokenizer

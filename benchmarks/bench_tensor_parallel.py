@@ -39,10 +39,11 @@ Also the bytes of the step message (``pickle.dumps(StepInputs)``) and of the log
 (``S x vocab x 4`` bytes, float32). ``overhead = step(N) - step(1)``, ``ratio = step(N) /
 step(1)``.
 
-Threads: each of N workers gets ``cores // N`` torch threads (the executor's choice). N = 1 runs
-the model in this process with ``--threads``; the default is what one worker of N = 2 gets,
-``cores // 2``: one "device" each, as on GPUs (N = 1 on one GPU, N = 2 on two); ``--threads
-<cores>`` gives N = 1 every core instead (the same cores as N workers together). While N > 1
+Threads: each of N workers gets ``T // N`` torch threads, where T is the count pagedlearn chose
+for this machine (the executor's choice; pagedlearn/cli/threads.py). N = 1 runs the model in this
+process with ``--threads``; the default is what one worker of N = 2 gets, ``T // 2``: one
+"device" each, as on GPUs (N = 1 on one GPU, N = 2 on two); ``--threads T`` gives N = 1 all of
+them instead (the same threads as N workers together). While N > 1
 runs, this process (the driver: scheduling and sampling only) keeps one thread, so that its idle
 OpenMP threads do not compete with the workers for the cores. Times on a small shared CPU swing
 with what else runs -- a multi-threaded step most, as each op waits for its slowest thread: the
@@ -70,6 +71,7 @@ from pathlib import Path
 import torch
 
 from pagedlearn import LLM, SamplingParams
+from pagedlearn.cli import threads as threads_module
 from pagedlearn.errors import PagedLearnError
 from pagedlearn.models import load
 from pagedlearn.models.runner import prepare_inputs
@@ -331,7 +333,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--prompt-len", type=int, default=64, help="prompt tokens P")
     parser.add_argument("--steps", type=int, default=32, help="decode steps K per round")
     parser.add_argument("--repeats", type=int, default=3, help="timed rounds")
-    parser.add_argument("--threads", type=int, help="N=1's torch threads (default cores // 2)")
+    parser.add_argument(
+        "--threads", type=int, help="N=1's torch threads (default T // 2: T, pagedlearn's count)"
+    )
     parser.add_argument(
         "--device",
         default="cpu",
@@ -345,9 +349,9 @@ def main(argv=None) -> dict:
         args.sizes = [int(x) for x in args.sizes.split(",") if x.strip()]
     except ValueError:
         parser.error(f"--sizes: comma-separated ints such as 1,2,4, got {args.sizes!r}")
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    total = threads_module.chosen.count if threads_module.chosen else 1  # T (cli/threads.py)
     if args.threads is None:
-        args.threads = max(1, cores // 2)
+        args.threads = max(1, total // 2)
     if args.quick:
         args.batch, args.prompt_len, args.steps, args.repeats = 4, 16, 4, 1
     if not args.sizes or args.sizes[0] != 1 or len(set(args.sizes)) != len(args.sizes):
@@ -358,14 +362,16 @@ def main(argv=None) -> dict:
     print(machine_line())
     print(
         f"torch threads: N=1 runs the model in this process with {args.threads}; N>1: each worker"
-        f" gets cores // N ({', '.join(f'N={n}: {max(1, cores // n)}' for n in args.sizes[1:])})"
-        f" of {cores} cores, and this process (the driver) keeps 1 for scheduling and sampling"
+        f" gets T // N ({', '.join(f'N={n}: {max(1, total // n)}' for n in args.sizes[1:])})"
+        f" of the T = {total} pagedlearn chose, and this process (the driver) keeps 1 for "
+        "scheduling and sampling"
     )
     t0 = time.perf_counter()
     res = run(args)
     report(res)
-    res.update(machine=machine_line(), threads=args.threads, cores=cores, load_start=load_start,
-               load_end=os.getloadavg()[0], wall_s=time.perf_counter() - t0)  # fmt: skip
+    res.update(machine=machine_line(), threads=args.threads, chosen_threads=total,
+               load_start=load_start, load_end=os.getloadavg()[0],
+               wall_s=time.perf_counter() - t0)  # fmt: skip
     print(f"bench wall time {res['wall_s']:.1f} s; load average (1 min) at the end: "
           f"{res['load_end']:.2f} on {os.cpu_count()} CPUs")  # fmt: skip
     if args.json:

@@ -92,9 +92,9 @@ MODEL, BLOCK_SIZE, NUM_BLOCKS = "tiny-gpt2", 4, 64
 # this chapter run on the CPU (so that the one-worker engine is measured on the same device).
 DEVICE = "cuda" if torch.cuda.device_count() >= 2 else "cpu"
 # One "device" each: the one-process engine gets the CPU threads one of two workers gets (the
-# executor gives each worker cores // N of them).
-CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-torch.set_num_threads(max(1, (CORES or 1) // 2))
+# executor gives each worker pagedlearn's thread count // N: pagedlearn/cli/threads.py).
+THREADS = torch.get_num_threads()  # what `import pagedlearn` chose for this machine
+torch.set_num_threads(max(1, THREADS // 2))
 print(f"engines on: {DEVICE}")
 
 # %% [markdown]
@@ -476,8 +476,9 @@ for tokens in (BATCH, BATCH * PROMPT_LEN):
     print(f"all-reduce of ({tokens}, {tp2.engine.model.config.n_embd}) float32: "
           f"{one_reduce * 1e3:.3f} ms; x 2 x {layers} layers = "
           f"{2 * layers * one_reduce * 1e3:.3f} ms per step")  # fmt: skip
-print(f"threads: {torch.get_num_threads()} for N=1 (this process), {(CORES or 1) // 2} for each "
-      f"N=2 worker; {CORES} cores; load average {os.getloadavg()[0]:.2f}")  # fmt: skip
+print(f"threads: {torch.get_num_threads()} for N=1 (this process), {max(1, THREADS // 2)} for "
+      f"each N=2 worker, of the {THREADS} pagedlearn chose; load average "
+      f"{os.getloadavg()[0]:.2f}")  # fmt: skip
 
 # %% [markdown]
 # What to look for. Start with N=1's whole step: a 2-layer, 64-wide model's forward, the

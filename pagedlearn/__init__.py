@@ -13,9 +13,14 @@ The package imports only the standard library at load time; torch, Triton and tr
 imported by the parts that need them (``LLM`` and friends are looked up on first use).
 """
 
+from pagedlearn.cli import threads as _threads
 from pagedlearn.core.block_allocator import BlockAllocator
 from pagedlearn.core.kv_cache_manager import KVCacheManager
 from pagedlearn.errors import OutOfBlocksError, PagedLearnError, TraceFileError, WorkerError
+
+# torch's CPU threads: the CPUs this process may use, not one per core (cli/threads.py); here,
+# so that it holds for everything that imports pagedlearn and every process started from it
+_threads.apply()
 
 __version__ = "0.1.0"
 

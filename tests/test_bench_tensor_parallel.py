@@ -29,7 +29,7 @@ def test_quick_run_compares_one_and_two_workers(tmp_path):
     text = out.stdout
     assert out.returncode == 0, text + out.stderr
     assert re.search(r"^torch threads: N=1 runs the model in this process with \d+; N>1: each "
-                     r"worker gets cores // N \(N=2: \d+\)", text, re.M), text  # fmt: skip
+                     r"worker gets T // N \(N=2: \d+\)", text, re.M), text  # fmt: skip
     assert re.search(r"load average [\d.]+$", text.splitlines()[0]), text
     res = json.loads(raw.read_text())
     one, two = res["sizes"]["1"], res["sizes"]["2"]

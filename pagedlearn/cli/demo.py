@@ -197,6 +197,7 @@ def run_demo(
     tensor_parallel_size=1,
 ) -> None:
     from pagedlearn import LLM
+    from pagedlearn.cli import threads
     from pagedlearn.models import load
     from pagedlearn.models.runner import kv_cache_spec
 
@@ -217,6 +218,7 @@ def run_demo(
         enable_prefix_caching=prefix_caching,
         tensor_parallel_size=tensor_parallel_size,
     )
+    print(threads.describe())  # on a busy machine, what makes a step fast or 30x slower
     try:
         _run(llm, reqs)
     finally:

@@ -197,6 +197,7 @@ def _environment(home: Path) -> dict:
     """The worker's environment: what Python, torch and triton need, and none of the grader's
     other variables (a token there would be one raise away from the feedback)."""
     keep = ("PATH", "LANG", "LC_ALL", "LD_LIBRARY_PATH", "TRITON_INTERPRET", "CUDA_VISIBLE_DEVICES")
+    keep += ("PAGEDLEARN_NUM_THREADS",)  # the one override of OMP_NUM_THREADS (cli/threads.py)
     env = {k: os.environ[k] for k in keep if k in os.environ}
     env.update(
         HOME=str(home),

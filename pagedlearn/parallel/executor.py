@@ -53,6 +53,7 @@ from multiprocessing.connection import wait
 import torch
 
 from pagedlearn.attention.kv_cache import KVCacheSpec
+from pagedlearn.cli import threads as threads_module
 from pagedlearn.errors import PagedLearnError, WorkerError, held_interrupts
 from pagedlearn.models.runner import SequenceInput, prepare_inputs
 from pagedlearn.parallel.worker import WorkerConfig, worker_main
@@ -104,13 +105,15 @@ class TensorParallelExecutor:
         self._busy = threading.Lock()  # one message at a time: the pipes carry no request ids
         ctx = _context()
         rendezvous = f"tcp://127.0.0.1:{_free_port()}"  # rank 0 hosts the store there
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        # The CPU threads pagedlearn chose for this machine when it was imported (cli/threads.py),
+        # shared by the workers: N workers together use what one process would.
+        threads = threads_module.chosen.count if threads_module.chosen else 1
         self.procs, self.conns = [], []
         for rank in range(size):
             cfg = WorkerConfig(
                 rank, size, rendezvous, f"cuda:{rank}" if dev.type == "cuda" else "cpu",
                 num_blocks, block_size, swap_blocks, backend, self.step_timeout,
-                max(1, (cores or 1) // size),
+                max(1, threads // size),
             )  # fmt: skip
             mine, theirs = ctx.Pipe()
             proc = ctx.Process(target=worker_main, args=(cfg, theirs), daemon=True,

@@ -53,7 +53,7 @@ class WorkerConfig:
     swap_blocks: int
     attention_backend: str
     timeout_s: float  # how long a collective may wait for a peer before it raises
-    num_threads: int  # torch's intra-op threads on a CPU: the cores split between workers
+    num_threads: int  # torch's intra-op threads on a CPU: pagedlearn's count split between workers
 
 
 class Worker:
