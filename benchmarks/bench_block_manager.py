@@ -22,7 +22,8 @@ implementation, the classes the labs blank; there is no "plain" column any more,
 twins were folded into them),
 and the optional peers, vLLM and nano-vllm (how to get them, how each is driven:
 block_manager_peers.py). Every system must end in the same state (blocks used, cached blocks,
-prefix-hit tokens...): printed, MISMATCH flagged.
+prefix-hit tokens...) in every repetition: printed, and each workload marked same, alone (one
+system ran: nothing to compare) or MISMATCH.
 
 Usage: python benchmarks/bench_block_manager.py [--quick] [--reps N] [--nanovllm DIR] [--json PATH]
 """
@@ -241,7 +242,7 @@ def make_cases(drivers: dict, quick: bool) -> list[Case]:
 
 def measure(cases: list[Case], reps: int) -> tuple[dict, dict]:
     """raw[(case index, system)]: one value per repetition, in the case's unit;
-    checks[(case index, system)]: the state that system ended in."""
+    checks[(case index, system)]: the state that system ended in, one per repetition."""
     raw: dict = {}
     checks: dict = {}
     start = time.perf_counter()
@@ -257,7 +258,7 @@ def measure(cases: list[Case], reps: int) -> tuple[dict, dict]:
                 seconds = time.perf_counter() - t0
                 scale = 1e9 if c.label.endswith("ns/op") else 1e6
                 raw.setdefault((i, s), []).append(seconds / c.per_run * scale)
-                checks[(i, s)] = prepared.check(out)
+                checks.setdefault((i, s), []).append(prepared.check(out))
         took, load = time.perf_counter() - start, os.getloadavg()[0]
         print(f"  repetition {rep + 1}/{reps} done: {took:.0f} s, load average {load:.2f}")
     return raw, checks
@@ -269,16 +270,44 @@ def fmt(x: float | None, width: int) -> str:
     return f"{x:>{width}.3g}" if x < 1000 else f"{x:>{width}.0f}"
 
 
+def equal_work(states: dict[str, list]) -> str:
+    """The verdict on one workload, from the state each system ended in, per repetition:
+    "same" (two or more systems, one state), "alone" (one system: nothing to compare it with) or
+    "MISMATCH" (two states anywhere: across systems, or across one system's repetitions).
+
+    >>> equal_work({"pagedlearn": [(1, 2), (1, 2)], "vLLM": [(1, 2), (1, 2)]})
+    'same'
+    >>> equal_work({"pagedlearn": [(1, 2), (1, 2)]})
+    'alone'
+    >>> equal_work({"pagedlearn": [(1, 2), (1, 2)], "vLLM": [(1, 2), (1, 3)]})
+    'MISMATCH'
+    """
+    if len({v for vs in states.values() for v in vs}) > 1:
+        return "MISMATCH"
+    return "same" if len(states) > 1 else "alone"
+
+
 def report(cases: list[Case], raw: dict, checks: dict, reps: int) -> None:
-    print("\nequal work: the state each system ended in (MISMATCH: they did not do the same)")
+    print("\nequal work: the state each system ended in, compared across systems and repetitions")
+    print("  same: every system ended in this state; alone: one system ran, nothing to compare;")
+    print("  MISMATCH: two states (a peer or a repetition did other work: its timings mislead)")
     print("  a: (used blocks, cached blocks, blocks of sequence 0, its tokens)")
     print("  b: (used blocks after admission, prefix-hit tokens, used and cached ones after free)")
     print("  c1: (used blocks, cached blocks)   c2, c3: (used blocks,)")
-    for i, c in enumerate(cases):
-        got = {s: checks[(i, s)] for s in c.drivers if checks[(i, s)] is not None}
-        flag = "ok" if len(set(got.values())) == 1 else "MISMATCH"
+    verdicts = []
+    for i, c in enumerate(cases):  # the deque (c3) is not a block manager: no state to compare
+        got = {s: checks[(i, s)] for s in c.drivers if None not in checks[(i, s)]}
+        verdicts.append(flag := equal_work(got))
         label = c.label + {None: "", False: " (cache off)", True: " (cache on)"}[c.caching]
-        print(f"  {flag:<8} {label:<40} " + "  ".join(f"{s}={v}" for s, v in got.items()))
+        shown = "  ".join(f"{s}={' / '.join(map(str, dict.fromkeys(v)))}" for s, v in got.items())
+        print(f"  {flag:<8} {label:<40} {shown}")
+    bad = verdicts.count("MISMATCH")
+    if bad:
+        print(f"  MISMATCH in {bad} of {len(cases)} workloads: compare their timings with care")
+    elif "same" in verdicts:
+        print(f"  every system ended in the same state in all {len(cases)} workloads")
+    else:
+        print(f"  only pagedlearn ran (no peer): its {reps} repetitions ended in the same state")
 
     print(f"\nmedians of {reps} repetitions; PL/x = median over repetitions of (pagedlearn / x "
           "in the same repetition); < 1: pagedlearn is faster")  # fmt: skip
@@ -363,7 +392,7 @@ def main() -> None:
     flatness(cases, raw)
     if args.json:  # per workload and system: the value of every repetition, and the end state
         runs = [{"workload": c.label, "caching": c.caching, "values": {s: raw[(i, s)] for s in
-                 c.drivers}, "end state": {s: checks[(i, s)] for s in c.drivers}}
+                 c.drivers}, "end state": {s: checks[(i, s)][-1] for s in c.drivers}}
                 for i, c in enumerate(cases)]  # fmt: skip
         info = {"machine": platform.platform(), "python": platform.python_version(), "peers": peers}
         Path(args.json).write_text(json.dumps({**info, "reps": reps, "runs": runs}, indent=1))

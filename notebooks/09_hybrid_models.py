@@ -39,7 +39,8 @@
 #    transformers' `generate()` gives, the blocks of each group step by step, the live view;
 # 4. tokens held per GiB for GPT-2, the tiny models and the real Mistral-7B and Gemma 3 configs:
 #    the same block size, very different capacities -- computed, then measured on the engine;
-# 5. what prefix caching can and cannot reuse under a window.
+# 5. what prefix caching can and cannot reuse under a window;
+# 6. and at the end, questions to check yourself, answered by the runs above.
 #
 # **What you need.** A CPU; no network. The models that run are the offline `tiny-mistral`
 # (2 layers, both sliding) and `tiny-gemma3` (4 layers: sliding, full, sliding, full), with a
@@ -175,13 +176,20 @@ print("paged result finite:", bool(paged.isfinite().all()),
 #
 # All groups draw from **one shared pool**, so a block must have the same size in every group.
 # A block holds `block_size` tokens of K/V for one group's layers, so (the layers here all having
-# the same KV heads and head size) every group must have the same number of layers. vLLM's rule
-# for that number, which `group_layers` follows: the group size is the smallest number of layers
-# of one kind (or the largest, when it is within 25% of the smallest: less padding; the threshold
-# of the version that introduced hybrid groups -- later versions may tune it); a kind of `n`
-# layers gets `ceil(n / size)` groups, its layers dealt out round-robin (`layers[i::num_groups]`),
-# and a group with fewer layers than the group size leaves unused **padding** layer slots in
-# every one of its blocks.
+# the same KV heads and head size) every group must have the same number of layers. The rule for
+# that number, in `group_layers`: the group size is the smallest number of layers of one kind, or
+# the largest when it is below 1.25 times the smallest (fewer groups for a little padding); a kind
+# of `n` layers gets `ceil(n / size)` groups, its layers dealt out round-robin
+# (`layers[i::num_groups]`), and a group with fewer layers than the group size leaves unused
+# **padding** layer slots in every one of its blocks. That is vLLM's
+# `_get_kv_cache_groups_uniform_page_size` as of late 2025, and the rule has moved: the version
+# that introduced hybrid groups (mid-2025, "FIXME(Chen) ... 2025-06-02" in its comment) took the
+# smallest count and no threshold, and cut each kind into contiguous slices; the round-robin deal
+# (it balances pipeline-parallel stages) and the `max_num_layers < min_num_layers * 1.25` case
+# came later (its comment: "gpt-oss-20b + eagle, with 12 sw + 13 full"; vLLM PR #29303, "Better
+# layer padding strategy for gpt-oss eagle"); current vLLM compares with `* 1.5`, to leave room
+# for speculative-decoding drafters that add layers to one kind. The two thresholds differ only
+# when the largest count is 1.25 to 1.5 times the smallest, which none of the models below is.
 # Here are the groups of the two tiny models and of three real configs (their layer windows read
 # from transformers' config classes by `layer_windows`):
 
@@ -290,6 +298,16 @@ for name in ("tiny-mistral", "tiny-gemma3"):
     print(f"{'':12} {llm.engine.stats().summary().splitlines()[-1].strip()}")
 
 # %% [markdown]
+# Under each model, the last line of `llm.engine.stats().summary()` after its two requests:
+# *blocks held* is what each group holds now -- 0 in every group, since both requests have
+# finished and given all back (tiny-mistral has only a sliding group, tiny-gemma3 a full one
+# too); *freed by sliding windows* counts, over the whole run, the blocks a window handed back
+# while a request was still running (`remove_skipped_blocks`): blocks the full-attention
+# bookkeeping of chapters 01-08 would have held until the end. With blocks of 4 tokens and a
+# window of 24, a request of `n` tokens ends holding about 7 of its `ceil(n / 4)` blocks in a
+# sliding group, so the two requests free about `ceil(n / 4) - 7` each: 33 in all for
+# tiny-mistral, one fewer for tiny-gemma3, whose second request stopped at EOS after 29 tokens.
+#
 # Now one long generation on tiny-gemma3, with the blocks each group holds after every step
 # (`StepStats.group_blocks`). `ignore_eos=True` makes it run its full 120 tokens.
 
@@ -310,6 +328,8 @@ for s in per_step[:3] + per_step[9:-1:20] + per_step[-2:]:
 peak = max(s.group_blocks["sliding 24"] for s in per_step[1:])  # after the prefill step
 print(f"\nsliding group, after the prefill: at most {peak} blocks "
       f"(bound ceil({window} / {BS}) + 1 = {math.ceil(window / BS) + 1})")  # fmt: skip
+decode_held = Counter(s.group_blocks["sliding 24"] for s in per_step[1:-1])  # the decode steps
+print("sliding group, blocks held: number of decode steps", dict(sorted(decode_held.items())))
 
 fig = Figure(figsize=(7, 3))
 ax = fig.subplots()
@@ -324,9 +344,11 @@ display(fig)
 # %% [markdown]
 # The full group grows by one block every 4 tokens, for as long as the sequence runs. The
 # sliding group holds all 14 prompt blocks in the prefill step -- the prompt's queries read them
-# all -- then gives 8 of them back before the first decode, and from then on stays at 6 or 7:
-# it frees one block for each one it takes. In the last step the request finishes, and both
-# groups give everything back (0 and 0).
+# all -- then gives 8 of them back before the first decode, and from then on stays at 6 or 7
+# (the count under the table): the 24 keys in the window fill exactly 6 blocks when the oldest
+# of them starts a block, and touch 7 otherwise, so three decode steps in four hold 7. The
+# table's rows, 20 steps apart, happen to fall on 7s. The group frees one block for each one it
+# takes. In the last step the request finishes, and both groups give everything back (0 and 0).
 #
 # **The live view.** `LiveBlockView` follows the engine as in chapter 06, and draws each block
 # with its group's tag. Two requests on a pool of 64 blocks of tiny-gemma3: watch the sliding
@@ -625,6 +647,37 @@ hits("2 more evicted:")
 # model the blocks that count are the ones the *sliding* group needs near the end of the shared
 # prefix, and when the request that left them had decoded past them, they were freed, and so are
 # evicted, before any of the full group's.
+
+# %% [markdown]
+# ## Check yourself
+#
+# Answer each question before you run the cell below: write your answers into `my_answers`
+# (`None` skips one). The cell checks them against the runs above, and checks the rule behind
+# each answer too.
+#
+# 1. In section 3's long tiny-gemma3 run (window 24, blocks of 4), what is the most blocks the
+#    sliding group holds in one step after the prefill?
+# 2. Gemma-3-1B has 4 full and 22 sliding layers. How many KV-cache groups does it get?
+# 3. How many padding layer slots do those groups leave in every block?
+# 4. In the same long run, how many blocks does the full group hold in the last decode step,
+#    with 174 tokens in the sequence?
+
+# %%
+my_answers = [None, None, None, None]  # your answers to questions 1-4, then run the cell
+
+g1b = group_layers(windows["google/gemma-3-1b-it"])
+rules = [  # what the rules predict
+    math.ceil(window / BS) + 1,  # the window's keys touch at most this many blocks
+    1 + math.ceil(22 / 4),  # group size 4 (22 >= 1.25 x 4): one full group, ceil(22 / 4) sliding
+    4 * (1 + math.ceil(22 / 4)) - 26,  # layer slots of all groups - layers
+    math.ceil(174 / BS),  # a full layer keeps every token: a block per 4 tokens
+]
+seen = [peak, len(g1b), layers_per_block(g1b) * len(g1b) - len(windows["google/gemma-3-1b-it"]),
+        per_step[-2].group_blocks["full"]]  # fmt: skip
+for q, (rule, got, mine) in enumerate(zip(rules, seen, my_answers, strict=True), start=1):
+    assert got == rule, f"question {q}: the run gave {got}, the rule {rule}"
+    verdict = "" if mine is None else ("  right" if mine == got else f"  (you said {mine})")
+    print(f"question {q}: {got}{verdict}")
 
 # %% [markdown]
 # ## Exercises

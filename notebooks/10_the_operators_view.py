@@ -54,6 +54,7 @@ env = setup()
 
 # %%
 import random
+from collections import Counter
 
 import torch
 from IPython.display import display
@@ -347,20 +348,18 @@ print(busy.engine.metrics.summary())
 #
 # **The Prometheus page.** A scrape reads `engine.stats()` and `engine.metrics` at that moment
 # and writes them as metric families: gauges (the state now), counters (running totals, with
-# `_total` appended, Prometheus' rule) and histograms (`_bucket`, `_sum`, `_count`). Its
-# families by type, then a few samples:
+# `_total` appended, Prometheus' rule) and histograms (`_bucket`, `_sum`, `_count`). This chapter
+# reads four of them, the block manager's: preemptions (by mode), prefix-cache hits, the fewest
+# free blocks, and evictions. Their samples, and how many families the page holds in all:
 
 # %%
 page = prometheus.prometheus_text(busy)
 lines = page.splitlines()
-print(f"{len(lines)} lines; the TYPE of each family:")
-families = [line.split()[2:4] for line in lines if line.startswith("# TYPE")]
-for kind in ("gauge", "counter", "histogram"):
-    names = [n.removeprefix("pagedlearn_") for n, k in families if k == kind]
-    print(f"  {kind:<9} {len(names):>2}: {', '.join(names)}")
-print()
-for line in lines:  # the samples of a few counters and gauges
-    watched = ("num_preemptions", "prefix_cache_hits", "kv_cache_min_free", "kv_cache_evictions")
+kinds = Counter(line.split()[3] for line in lines if line.startswith("# TYPE"))
+print(f"{len(lines)} lines, {sum(kinds.values())} metric families: " +
+      ", ".join(f"{n} {kind}s" for kind, n in kinds.items()))  # fmt: skip
+watched = ("num_preemptions", "prefix_cache_hits", "kv_cache_min_free", "kv_cache_evictions")
+for line in lines:
     if line.startswith(tuple("pagedlearn_" + name for name in watched)):
         print(line)
 
@@ -374,30 +373,14 @@ ttft_lines = [line for line in lines if line.startswith("pagedlearn_time_to_firs
 print("\n".join([*ttft_lines[:6], "...", *ttft_lines[-3:]]))
 
 # %% [markdown]
-# Every name has a vLLM counterpart where vLLM exports one; the table is in the module
-# docstring of `pagedlearn/engine/prometheus.py` (vLLM's names from `vllm/v1/metrics/loggers.py`;
-# "(V0)" marks those of vLLM's older engine). Read from that docstring, and checked against the
-# page just scraped:
-
-# %%
-pairs = []
-for row in prometheus.__doc__.splitlines():  # its tables of names
-    cells = row.split("``")  # ``pagedlearn_name{labels}`` [note]   ``vllm:name`` (note)
-    if len(cells) >= 4 and cells[1].startswith("pagedlearn_") and cells[3].startswith("vllm:"):
-        pairs.append((cells[1], cells[3] + cells[4].rstrip()))
-print(f"{'pagedlearn':<48} vLLM")
-for ours, theirs in pairs:
-    print(f"{ours:<48} {theirs}")
-    assert any(line.startswith(ours.split("{")[0]) for line in lines), f"{ours}: not on the page"
-print(f"\n{len(pairs)} names shared with vLLM, each on the page above; the other pagedlearn_ "
-      "names have no vLLM counterpart (see the docstring)")  # fmt: skip
-
-# %% [markdown]
-# For the names in the table, one dashboard reads both servers once the prefix is swapped
-# (`pagedlearn_` for `vllm:`), summing away pagedlearn's extra `mode` label on
-# `num_preemptions`; the names marked (V0) exist only on vLLM's older engine. The names
-# vLLM does not have (`kv_cache_min_free_blocks`, `kv_cache_evictions`, `swapped_blocks`,
-# `recomputed_tokens`, ...) are the ones this course cares about: what the block manager does.
+# **Where to find the rest.** Every family, what it means, and its vLLM counterpart where vLLM
+# has one (vLLM's names from `vllm/v1/metrics/loggers.py`), are in the module docstring of
+# `pagedlearn/engine/prometheus.py`; `print(page)` shows the page itself. A name shared with vLLM
+# is vLLM's with `pagedlearn_` for `vllm:` (the counter `pagedlearn_num_preemptions` is
+# `vllm:num_preemptions`, with an extra `mode` label to sum away), so one dashboard reads
+# both servers. The names vLLM does not have (`kv_cache_min_free_blocks`, `kv_cache_evictions`,
+# `swapped_blocks`, `recomputed_tokens`, ...) are the ones this course cares about: what the
+# block manager does.
 #
 # ## 3. The load test
 #
@@ -561,11 +544,13 @@ for n in POOLS:
                                   num_blocks=n, swap_blocks=SWAP)  # fmt: skip
     assert r.ok, r.summary()  # every correctness check
     gaps = [g for q in r.requests for g in q["itl"]]
+    batch = [b for b in r.series["num_running_seqs"] if b]  # the steps that ran anything
     runs[n] = {
         "min free": r.pool["min_free_blocks"],
         "swap": r.pool["preemptions_swap"],
         "recompute": r.pool["preemptions_recompute"],
         "preempted": sum(q["num_preemptions"] > 0 for q in r.requests),  # requests
+        "batch": sum(b * b for b in batch) / sum(batch),  # the batch a token was made in, mean
         "TTFT p50": 1e3 * r.latency["ttft"]["p50"],
         "TTFT p99": 1e3 * r.latency["ttft"]["p99"],
         "ITL p99": 1e3 * r.latency["itl"]["p99"],
@@ -578,6 +563,11 @@ print(f"{'blocks':>6}" + "".join(f"{k:>11}" for k in keys) + "   (latencies in m
 for n, row in runs.items():
     print(f"{n:>6}" + "".join(f"{v:>11.0f}" if isinstance(v, int) else f"{v:>11.1f}"
                               for v in row.values()))  # fmt: skip
+print("\nthe preemptions of each preempted request ('swap' and 'recompute' count preemptions, "
+      "'preempted' requests):")  # fmt: skip
+for n, r in reports.items():
+    counts = sorted(q["num_preemptions"] for q in r.requests if q["num_preemptions"])[::-1]
+    print(f"{n:>6}: {counts}")
 
 # %% [markdown]
 # The same numbers, read as an operator would: the pool's headroom on top, the tails below,
@@ -631,12 +621,20 @@ display(fig)
 #   a burst) wait in the queue until there are blocks for them, and a small pool admits fewer at
 #   a time. **TTFT p50** should move much less: most requests of the Poisson mix arrive to a
 #   pool with room.
-# - **ITL p99** may hardly move. A preempted request waits, swapped out or re-queued, and that
-#   wait is one long gap between two of its tokens. But a run has a handful of preemptions
-#   against well over a thousand gaps (the table's last column); while the preemptions are
-#   fewer than 1% of the gaps, the p99 can look past every one of them. The stall shows in
-#   **ITL max**, the single longest gap: look whether it jumps in the grey runs. A percentile
+# - **ITL p99** may hardly move, and may even *fall* as the pool shrinks. A preempted request
+#   waits, swapped out or re-queued, and that wait is one long gap between two of its tokens.
+#   But a run has a handful of preemptions against well over a thousand gaps (the table's
+#   `gaps` column); while the preemptions are fewer than 1% of the gaps, the p99 looks past
+#   every one of them, and what it measures is an ordinary gap: one step's duration. A step
+#   runs every running sequence, so its duration grows with the batch, and a smaller pool holds
+#   a smaller batch (`batch`: the running sequences of the step a token was made in, averaged
+#   over the tokens). Compare the `batch` and `ITL p99` columns. The stall shows in **ITL
+#   max**, the single longest gap: look whether it jumps in the grey runs. A percentile
 #   summarises the many; the preemption counter and the maximum catch the few.
+# - **`preempted` counts requests; `swap` and `recompute` count preemptions.** A request can be
+#   preempted more than once (swapped out, back in, and out again when the pool fills up
+#   again), and each time is one preemption (`pagedlearn_num_preemptions`, as vLLM's
+#   `vllm:num_preemptions`); the lines under the table give each preempted request's count.
 #
 # The paper's section 4.5 answers a full pool with preemption (all-or-nothing, the latest arrivals
 # first): it keeps the server serving, and the table shows what it costs the requests it hits. An

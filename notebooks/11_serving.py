@@ -249,6 +249,16 @@ print(f"curl {srv.base_url}/chat/completions -H 'Content-Type: application/json'
 start = time.perf_counter()
 answer = httpx.post(srv.base_url + "/chat/completions", json=body, timeout=30).json()
 print(f"{(time.perf_counter() - start) * 1e3:.0f} ms; usage: {answer['usage']}")
+n = answer["usage"]["prompt_tokens"]
+full = (n - 1) // BLOCK_SIZE  # the full blocks before the last token, which is always computed
+print(f"the full blocks of this {n}-token prompt: {full} x {BLOCK_SIZE} = {full * BLOCK_SIZE}")
+
+# %% [markdown]
+# Here `cached_tokens` is not section 2's 160 (the system prompt's 10 shared blocks) but every
+# full block of the prompt: this is the first chat's prompt, byte for byte, and that chat left
+# all its blocks in the prefix cache, the question's among them. What is computed again is the
+# tail after the last full block (a prompt that ends exactly on a block boundary would still
+# recompute its last token: chapter 04).
 
 # %% [markdown]
 # ## 3. An agent: a growing conversation, then a long turn
@@ -436,8 +446,9 @@ except Exception as e:  # the engine loop has ended: it takes no more work
 # Drawing is what following costs the engine: a frame the view does not draw costs it a
 # `PoolState` and the colour rule, a fraction of a millisecond; a frame it draws costs a
 # matplotlib render and a PNG (`view.last_draw_seconds`), on the engine thread, inside its step.
-# Hence `max_fps`: at 5 frames a second, a 30 ms drawing takes at most an eighth of the engine's
-# time, however fast it steps.
+# Hence `max_fps`: at 5 frames a second the view waits 1 / 5 s = 200 ms after a drawing *ends*
+# before it draws again (`pagedlearn/viz/live.py`), so a 30 ms drawing takes at most 30 of every
+# 230 ms, about 13% of the engine's time, however fast it steps.
 
 # %% tags=["timing"]
 ms = view.last_draw_seconds * 1e3

@@ -93,6 +93,25 @@ def test_outputs_carry_metrics_text_and_logprobs():
     assert_pool_clean(llm)
 
 
+def test_the_packed_batch_tells_transformers_it_holds_no_padding(monkeypatch):
+    # A random model samples its pad id (257) like any other; without an attention mask GPT-2 then
+    # warns "We strongly recommend passing in an attention_mask" (loadtest and serve showed it).
+    from transformers import PreTrainedModel
+
+    pad = load("tiny-gpt2").model.config.pad_token_id  # what transformers' guess looks for
+    assert pad == 257
+    masks = []
+
+    def spy(self, input_ids, attention_mask):
+        masks.append((input_ids[0, [0, -1]].tolist(), attention_mask))
+
+    monkeypatch.setattr(PreTrainedModel, "warn_if_padding_and_no_attention_mask", spy)
+    llm = make_llm()
+    llm.generate({"prompt_token_ids": [pad, 72, 105, pad]}, greedy(3), use_tqdm=False)
+    assert masks and masks[0][0] == [pad, pad]  # the prefill: the pad id first and last
+    assert all(m is not None and bool(m.all()) for _, m in masks)
+
+
 def test_stats_after_each_step_add_up():
     llm = make_llm(num_blocks=20)
     seen = []

@@ -154,6 +154,17 @@ def test_mistake_loses_points(tmp_path, exercise, old, new, phrase):
     assert all(o.status == FAILED for o in lost), [o.message for o in lost]
 
 
+def test_an_off_by_one_mask_is_named_by_every_check_it_fails(tmp_path):
+    """`pos <= end` reads the unwritten slot at `end` (NaN) in several checks; each must name the
+    mask, from what it saw, not its own topic (rescaling, where a token lives)."""
+    files = patched(LAB, FILE, "    t_mask = pos < end\n", "    t_mask = pos <= end\n")
+    lost = lost_points(grade_lab(LAB, submit(LAB, tmp_path, files), "tile"), "pos <= end")
+    assert len(lost) >= 3
+    for o in lost:
+        assert o.status == FAILED and "counts one position too many" in o.message, o.message
+        assert "must rescale both" not in o.message and "t % BLOCK_SIZE" not in o.message
+
+
 @interpreter_only
 def test_a_crash_in_the_helper_names_the_students_line(tmp_path):
     files = patched(LAB, FILE, "    t_mask = pos < end\n", "    t_mask = pos < undefined_name\n")

@@ -274,6 +274,21 @@ def test_a_hub_name_fails_fast_when_the_hub_refuses(empty_hub):
     assert isinstance(info.value, OSError) and isinstance(info.value, PagedLearnError)
 
 
+@pytest.mark.parametrize(
+    ("typo", "meant"), [("tiny-gtp2", "tiny-gpt2"), ("smolm2", "smollm2"), ("Tiny-Opt", "tiny-opt")]
+)
+def test_a_typo_of_an_offline_name_asks_did_you_mean_instead_of_sending_to_the_hub(
+    empty_hub, typo, meant
+):
+    with pytest.raises(ModelLoadError) as info:
+        load(typo)
+    message = str(info.value)
+    assert f"did you mean {meant!r}?" in message and "hf download" not in message
+    with pytest.raises(ModelLoadError) as info:  # a hub path keeps the hub's message
+        load(f"someone/{typo}")
+    assert "could not be reached" in str(info.value) and "did you mean" not in str(info.value)
+
+
 def test_a_hub_name_fails_within_10_s_when_the_endpoint_is_unroutable(empty_hub, monkeypatch):
     # Usually the TCP connect times out after PROBE_TIMEOUT_S (3 s). Behind a proxy that accepts
     # any connection the probe passes, and then the download fails; both must say what to do.

@@ -19,14 +19,20 @@ one pool idle while the other runs dry.
 
 A shared pool needs every block to be the same size in bytes. A block of a group holds
 ``block_size`` tokens of K/V for *that group's* layers, so every group must have the same
-number of layers. vLLM's rule (``_get_kv_cache_groups_uniform_page_size``, as hybrid groups
-were introduced; later versions may tune the threshold), used here: take the smallest number of
-layers of one kind as the group size (or the largest, if it is within 25% of the smallest: less
-padding); a kind of ``n`` layers gets ``ceil(n / size)`` groups, its layers dealt out round-robin
-(``layers[i::num_groups]``), and a group with fewer layers than ``size`` pads the rest of every
-block's layer slots. Gemma-3-1B (4 full layers, 22 sliding) becomes 1 full group and 6 sliding
-groups, four of 4 layers and two of 3: 2 layer slots of padding in all (vLLM's warning: "Add 2
-padding layers, may waste at most 9.09% KV cache memory").
+number of layers. vLLM's rule (``_get_kv_cache_groups_uniform_page_size`` in
+``vllm/v1/core/kv_cache_utils.py``, as of late 2025), used here: take the smallest number of
+layers of one kind as the group size, or the largest if it is below 1.25 times the smallest
+(fewer groups for a little padding); a kind of ``n`` layers gets ``ceil(n / size)`` groups, its
+layers dealt out round-robin (``layers[i::num_groups]``), and a group with fewer layers than
+``size`` pads the rest of every block's layer slots. The rule has moved: the version that
+introduced hybrid groups (mid-2025) took the smallest count with no threshold and contiguous
+slices; the round-robin deal and the ``* 1.25`` case came later (its comment cites gpt-oss-20b +
+Eagle; vLLM PR #29303); current vLLM uses ``* 1.5``. They differ only when the largest count is
+1.25 to 1.5 times the smallest.
+
+Gemma-3-1B (4 full layers, 22 sliding) becomes 1 full group and 6 sliding groups, four of 4
+layers and two of 3: 2 layer slots of padding in all (vLLM's warning: "Add 2 padding layers, may
+waste at most 9.09% KV cache memory").
 
 >>> groups = group_layers([24, None, 24, None])     # tiny-gemma3: sliding, full, sliding, full
 >>> [(g.name, g.layer_ids) for g in groups]

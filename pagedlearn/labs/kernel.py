@@ -285,7 +285,62 @@ def check_kernel(sub, exercise: str, case: Case, num_splits: int = 1, hint: str 
             lambda: _tail_counted(case, tile, num_splits),
         )
     )
-    compare(where, out, ref.paged_attention_ref(*case.args()), case, hint, mistakes)
+    want = ref.paged_attention_ref(*case.args())
+    if _read_unwritten(out, want):  # the check's own hint may be about something else
+        hint = _which_slots(sub, exercise, case, num_splits) or hint
+    compare(where, out, want, case, hint, mistakes)
+
+
+def _close(a, b) -> bool:
+    return torch.allclose(a, b, atol=2e-5, rtol=1e-4)
+
+
+def _read_unwritten(out, want) -> bool:
+    """Non-finite where the reference is finite: the first sign of reading a NaN slot."""
+    return (
+        torch.is_tensor(out)
+        and out.shape == want.shape
+        and bool((~torch.isfinite(out) & torch.isfinite(want)).any())
+    )
+
+
+def _which_slots(sub, exercise: str, case: Case, num_splits: int) -> str:
+    """The hint when the output has NaN: launch the student's kernel once more with every
+    unwritten slot holding a number. Still NaN: it came from the arithmetic (0 / 0, exp
+    overflowing), and the check's own hint stands (""). Finite: a slot no token was written to
+    was read, and the answer says which: the output of ``context_len + 1`` tokens is a mask that
+    lets position ``end`` through; of whole blocks, the last block read in full."""
+    g = torch.Generator().manual_seed(0)
+    kc, vc = case.key_cache.cpu(), case.value_cache.cpu()
+    kc = torch.where(kc.isnan(), torch.randn(kc.shape, generator=g), kc)
+    vc = torch.where(vc.isnan(), torch.randn(vc.shape, generator=g), vc)
+    q, tables, lens = case.q.cpu(), case.block_tables.cpu(), case.context_lens.cpu()
+    obs = in_student(sub, observe_kernel, exercise, (q, kc, vc, tables, lens), num_splits)
+    out = obs.get("out")
+    if not torch.is_tensor(out) or not torch.isfinite(out).all():
+        return ""
+    bs, right = case.block_size, ref.paged_attention_ref(q, kc, vc, tables, lens)
+    for why, read in (
+        (
+            "it counts one position too many: position `end` itself (t_mask = pos <= end?) "
+            "must be masked; t_mask = pos < end keeps positions start .. end - 1",
+            lens + 1,
+        ),
+        (
+            "it reads the last block in full: mask every position at or past `end`",
+            -(-lens // bs) * bs,
+        ),
+    ):
+        wrong = ref.paged_attention_ref(q, kc, vc, tables, read)
+        # Sequence by sequence: one whose end falls on a tile's end reads no extra slot.
+        close = [(_close(o, r), _close(o, w)) for o, r, w in zip(out, right, wrong, strict=True)]
+        if all(r or w for r, w in close) and any(w and not r for r, w in close):
+            return f"your kernel reads slots no token was written to (here they hold NaN): {why}"
+    return (
+        "your kernel reads slots no token was written to (here they hold NaN; filled with "
+        f"numbers, your output is finite): a position at or past `end`, or a wrong block or "
+        f"offset; {WHERE_HINT}"
+    )
 
 
 def case(lens, block_size, heads=2, kv_heads=2, **kwargs) -> Case:

