@@ -31,7 +31,7 @@ demo: $(STAMP)  ## the main job: SmolLM2 serving a mixed batch of chats from a s
 # pytest-xdist runs the suite on every core (`-n auto`; one worker per core, one torch thread per
 # worker: see tests/conftest.py). Add PYTEST_FLAGS="-n 0" to run it in one process.
 PYTEST_FLAGS ?= -n auto --dist loadgroup
-test: lint  ## the whole suite, as CI runs it (.ci/run calls this)
+test: lint  ## the whole suite but the browser tier (.ci/run calls this, then test-browser)
 	$(BIN)/python -m pytest $(PYTEST_FLAGS)
 
 test-all: lint  ## also the slow and GPU tiers
@@ -71,12 +71,14 @@ lab: $(STAMP)
 	$(BIN)/jupyter lab notebooks/ $(LAB_ROOT) $(LAB_HEADLESS) $(LAB_FLAGS)
 
 # After editing a chapter's .py (or .ipynb): bring its twin up to date, run it offline and store
-# what it prints and draws in the .ipynb, so that it reads without running (a minute or two for
-# all nine; `make notebooks CHAPTERS="05 07"` runs just those).
+# what it prints and draws in the .ipynb, so that it reads without running (all twelve by default:
+# see the README's "How long things take"; `make notebooks CHAPTERS="05 07"` runs just those).
+# One torch thread, as the tests run them (tests/conftest.py): what is stored is what the check
+# reproduces (a float sum over two threads may round otherwise).
 CHAPTERS ?=
 notebooks: $(STAMP)
 	$(BIN)/jupytext --sync notebooks/[0-9][0-9]_*.py
-	$(BIN)/python -m pagedlearn.cli.chapters $(CHAPTERS)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pagedlearn.cli.chapters $(CHAPTERS)
 
 # After changing a function a lab names (or a lab notebook): regenerate the lab notebooks'
 # exercise cells from the package's source, and pair their .ipynb twins.
@@ -84,8 +86,12 @@ labs: $(STAMP)
 	$(BIN)/python -m pagedlearn.labs.notebooks
 	$(BIN)/ruff format --quiet notebooks/labs/
 
-figures: $(STAMP)  ## regenerate every PNG in figures/ (seeded, offline)
-	$(BIN)/python -m pagedlearn figures
+figures: $(STAMP)  ## regenerate every PNG in figures/ (seeded, offline; one thread, as the tests)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pagedlearn figures
 
+# Everything the commands above leave behind: the venv and the tools' caches, wherever the tools
+# ran (hypothesis writes .hypothesis/ in its working directory: tests/, notebooks/labs/ ...).
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis *.egg-info
+	rm -rf $(VENV) *.egg-info
+	find . -depth -type d \( -name .hypothesis -o -name .pytest_cache -o -name .ruff_cache \) \
+		-exec rm -rf {} +

@@ -5,7 +5,9 @@ Options are checked before any work starts (no model loaded, nothing simulated):
 unknown option, an output directory that cannot be created or written ends at once with the
 command's usage and a line naming the option, exit code 2 (argparse's own). The demo checks what
 needs the model's config right after loading it, before allocating the pool, and reports it the
-same way. A command that starts and cannot go on exits 1 with one line saying why. Quick runs
+same way. A command that starts and cannot go on exits 1 with one line saying why; one that finds
+a dependency missing (this Python is not the project's ``.venv``, say) exits 2 with one line
+saying which Python to run instead (``missing_dependency``), not a traceback. Quick runs
 (``paper --quick``, ``figures --quick``) write into a new temporary directory and print where, so
 that ``figures/`` keeps the full runs' pictures the README describes, unless told where to write.
 """
@@ -22,7 +24,8 @@ DESCRIPTION = (
     "'python -m pagedlearn COMMAND --help' lists a command's options."
 )
 EPILOG = (
-    "exit codes: 0 done; 1 it failed or found failures (it says which); 2 a bad option, nothing ran"
+    "exit codes: 0 done; 1 it failed or found failures (it says which); 2 a bad option or a "
+    "missing dependency, nothing ran"
 )
 
 
@@ -485,5 +488,32 @@ def _labs(args) -> int:
     return 0
 
 
+def missing_dependency(error: ModuleNotFoundError, argv: list[str]) -> str | None:
+    """The one line to print when a command finds a module missing that pagedlearn depends on
+    (torch, transformers, ... or an extra's), or None when the missing module is pagedlearn's own
+    (a bug: its traceback is the report). The usual cause is the wrong Python: ``python3 -m
+    pagedlearn demo`` outside the virtual environment that ``make install`` builds."""
+    top = (error.name or "").partition(".")[0]
+    if not top or top in ("pagedlearn", "kernels"):
+        return None
+    command = "python -m pagedlearn " + " ".join(argv)
+    venv = Path(__file__).resolve().parent.parent / ".venv"
+    if Path(sys.prefix).resolve() == venv.resolve():  # the project's own environment lacks it
+        fix = "run `make install` (it installs every dependency into .venv), then try again"
+    else:
+        fix = (
+            f"run `make install`, then `.venv/bin/{command}` (or `source .venv/bin/activate` "
+            "first; with conda: `conda activate pagedlearn`)"
+        )
+    return f"{command}: {sys.executable} has no module {top!r}: {fix}"
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except ModuleNotFoundError as e:
+        hint = missing_dependency(e, sys.argv[1:])
+        if hint is None:
+            raise
+        print(hint, file=sys.stderr)
+        sys.exit(2)
