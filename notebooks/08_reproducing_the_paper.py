@@ -339,6 +339,15 @@ plots.plot_prefix_caching(caching)
 # gather per direction), the same bytes as one copy per block and layer (how vLLM issued its
 # swaps), and a prefill of those 512 tokens through the engine's `ModelRunner` on the paged
 # cache. On a CPU the "GPU" pool is ordinary memory too, so a swap is a memory-to-memory copy.
+#
+# A curve across block sizes compares measurements taken at different moments, so every block
+# size is measured under the same conditions: all the benches are built and every timed call is
+# made once before any is timed (the first call of a kind pays for torch's lazy set-up), then
+# each round times every (block size, operation) pair once, in an order shuffled anew each round
+# (seeded), and the table gives the median of the rounds. Timed one block size after the other,
+# a busy spell on a shared machine bends the curve at whichever block sizes ran during it; in
+# shuffled rounds it lands on random points and shows as spread instead. The second table prints
+# that spread: (slowest - fastest round) / median, in %.
 
 # %% tags=["timing"]
 from pagedlearn.sim import swap_recompute
@@ -350,6 +359,8 @@ elif env.gpu:  # GPT-2 small's shape on the GPU, every block size
 else:
     fig19 = swap_recompute.figure19(quick=env.quick)
 show(fig19, list(swap_recompute.FIELDS), digits=3)
+print("spread of the rounds, (slowest - fastest) / median, %:")
+show(fig19, ["block_size", *swap_recompute.SPREADS], digits=0)
 print(swap_recompute.PAPER_FIG19)
 
 # %% tags=["timing"]
@@ -364,9 +375,11 @@ print(
     f"one copy per block: block size {first['block_size']} is {slowdown:.0f}x slower than "
     f"block size {last['block_size']} for the same {first['bytes']:,} bytes"
 )
+spread = max(r["recompute_spread_pct"] for r in fig19)
 print(
     f"recompute: {min(recompute):.1f} to {max(recompute):.1f} ms across block sizes "
-    f"(largest / smallest = {max(recompute) / min(recompute):.2f})"
+    f"(largest / smallest = {max(recompute) / min(recompute):.2f}; the rounds of one block size "
+    f"spread by up to {spread:.0f}%)"
 )
 print(f"recompute / (swap out + swap in), batched: {min(ratio):.1f}x to {max(ratio):.1f}x")
 per_block = [r["swap_out_per_block_ms"] + r["swap_in_per_block_ms"] for r in fig19]
@@ -389,11 +402,15 @@ print(f"block sizes where recompute beats swapping one copy per block: {cheaper 
 #
 # - **the dashed lines** (one copy per block): their left end against their right end, same
 #   bytes. That is the paper's mechanism, many small transfers, and the first printed line;
-# - **the recompute line**: the paper's stays flat, because its recomputation does not use the
-#   blocks. Ours prints its range across block sizes. Two things can move it: our prefill writes
-#   its K/V into the paged cache and attention reads them back through the block table, which can
-#   cost more with many tiny blocks; and on a busy machine a prefill waits for a core. Rerun
-#   before reading a shape into it;
+# - **the recompute line**: the paper's is flat, because its recomputation does not use the
+#   blocks. Ours does the same arithmetic at every block size (the same 512 tokens through the
+#   same model); only its K/V writes and the attention's reads go through the block table, over
+#   512 / block size blocks. So read the printed "largest / smallest" against the spread beside
+#   it: a ratio within the spread of the rounds is a flat line measured on a noisy machine; a
+#   ratio well beyond it, with small spreads, is an effect of the block size. The run stored
+#   with this chapter (two shared CPU cores, load about 9) printed a ratio of a few percent
+#   against spreads of tens of percent: flat, as the paper's. Large spreads say that the machine
+#   was busy while it measured: rerun before reading a shape into them;
 # - **where the lines cross**: in the paper, at 16-64. Here both sides change: a "swap" is a copy
 #   within the same memory (no PCIe), and the prefill runs on CPU cores that do a thousand times
 #   fewer FLOP/s than an A100, so recompute costs many times the batched swap (the ratio printed

@@ -10,6 +10,7 @@ from pagedlearn.models import ModelLoadError, load
 from pagedlearn.models.runner import kv_cache_spec
 from pagedlearn.sim.swap_recompute import (
     FIELDS,
+    SPREADS,
     measure,
     plot_figure19,
     prepare,
@@ -32,11 +33,11 @@ def test_rows_have_the_fields_bytes_and_block_counts(rows, tiny):
     assert per_token == 1024
     assert [r["block_size"] for r in rows] == [1, 5, 64]
     for r in rows:
-        assert tuple(r) == FIELDS
+        assert tuple(r) == FIELDS + SPREADS
         bs = r["block_size"]
         assert r["num_blocks"] == math.ceil(70 / bs)
         assert r["bytes"] == r["num_blocks"] * bs * per_token  # whole blocks: 70, 70, 128 tokens
-        assert all(r[k] > 0 for k in FIELDS)
+        assert all(r[k] > 0 for k in FIELDS) and all(r[k] >= 0 for k in SPREADS)
         swap = r["swap_out_ms"] + r["swap_in_ms"]
         assert r["recompute_over_swap"] == pytest.approx(r["recompute_ms"] / swap)
     assert [r["bytes"] // per_token for r in rows] == [70, 70, 128]

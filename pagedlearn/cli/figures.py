@@ -18,6 +18,16 @@ seeded and offline, so that running the command twice gives the same pictures:
 ``--quick`` runs smaller simulations, whose pictures differ from the committed ones: the command
 then writes them into a new temporary directory (printed) unless ``--out DIR`` says where, so
 that ``figures/`` keeps what the README describes. (:func:`make_figures` writes where it is told.)
+
+Beside the pictures, ``data.json`` holds the numbers each one draws, by figure name (the PNG's
+stem). A picture's pixels change with matplotlib's version; its numbers change only when the
+code does. So ``tests/test_figures.py`` recomputes the numbers, without drawing, and fails when
+the committed ones differ: a figure that no longer shows what the code does is caught in CI.
+Our own figures are recomputed whole (:func:`own_figures` with ``draw=False``); the paper's
+memory figures take minutes at full size, so the test recomputes a few of their rows (the
+entries record their sizes). A figure's :data:`MEASURED` entry holds what this machine timed
+(Figures 19 and 12): kept for the record and never compared; Figure 19's block layout (blocks
+and bytes per block size) is compared like the rest.
 """
 
 from __future__ import annotations
@@ -26,6 +36,7 @@ from itertools import pairwise
 from pathlib import Path
 
 DEMO_MODEL = "tiny-gpt2"  # offline and seeded: the same weights, so the same run, everywhere
+MEASURED = "measured"  # the key, in a figure's data, of what this machine timed (not compared)
 
 
 def record_demo_run(model: str = DEMO_MODEL, block_size: int = 16):
@@ -120,16 +131,10 @@ COW_SLIP = ("self.allocator.free([src])  # one sharer fewer;", "pass  # forgot: 
 COW_CHECK = "first_write_into_a_shared_partial_block_copies"
 
 
-def lab_feedback():
-    """The ``cow`` lab's check of a first write into a shared block, failing on
-    :data:`COW_SLIP`: the lines ``check("cow")`` prints, above the picture it shows (the
-    student's pool beside the reference's). Graded exactly as a notebook would be."""
-    import io
+def lab_outcome():
+    """The ``cow`` lab's check of a first write into a shared block, graded on :data:`COW_SLIP`
+    exactly as a notebook would be: the check's outcome (its ``lines()``, its ``picture()``)."""
     import tempfile
-    import textwrap
-
-    import matplotlib.image
-    from matplotlib.figure import Figure
 
     from pagedlearn.labs import get
     from pagedlearn.labs.handout import reference_source
@@ -143,7 +148,19 @@ def lab_feedback():
         path = Path(tmp) / "kv_cache_manager.py"
         path.write_text(source.replace(*COW_SLIP))
         check = next(c for c in lab.checks if c.name == COW_CHECK)
-        outcome = run_check(check, load(lab, [path]))
+        return run_check(check, load(lab, [path]))
+
+
+def lab_feedback(outcome=None):
+    """:func:`lab_outcome` as a student sees it: the lines ``check("cow")`` prints, above the
+    picture it shows (the student's pool beside the reference's)."""
+    import io
+    import textwrap
+
+    import matplotlib.image
+    from matplotlib.figure import Figure
+
+    outcome = outcome or lab_outcome()
     png = io.BytesIO()
     outcome.picture().savefig(png, format="png", dpi=100)
     picture = matplotlib.image.imread(io.BytesIO(png.getvalue()), format="png")
@@ -167,41 +184,99 @@ def lab_feedback():
     return fig
 
 
-def make_figures(directory="figures", paper: bool = True, quick: bool = False, out=print):
-    """Write every figure into ``directory``; returns the paths written."""
-    from pagedlearn.sim import plots
+def pool_data(state) -> dict:
+    """What ``block_pool.png`` draws: the frame's step, block tables, each block's tokens and
+    refcount, and the count of blocks per colour (used, shared, cached, free)."""
+    from pagedlearn.viz.state import CACHED, FREE, SHARED, USED
+
+    return {
+        "step": state.step,
+        "num_blocks": state.num_blocks,
+        "tables": {str(seq): list(t) for seq, t in state.tables.items()},
+        "num_tokens": [b.num_tokens for b in state.blocks],
+        "refcount": [b.refcount for b in state.blocks],
+        "counts": {k: state.count(k) for k in (USED, SHARED, CACHED, FREE)},
+    }
+
+
+def timeline_data(states) -> dict:
+    """What ``memory_timeline.png`` draws: :func:`~pagedlearn.viz.timeline_rows` as columns (one
+    list per key, one value per frame), and the totals its legend quotes."""
+    from pagedlearn.viz import timeline_rows
+
+    rows = timeline_rows(states)
+    totals = ("evictions", "preemptions_recompute", "preemptions_swap")
+    return {
+        "steps": rows[-1]["step"],
+        "frames": len(rows),
+        **{k: sum(r[f"new_{k}"] for r in rows) for k in totals},  # the legend's counts
+        "columns": {k: [r[k] for r in rows] for k in rows[0]},
+    }
+
+
+def own_figures(quick: bool = False, log=None, draw: bool = True) -> tuple[dict, dict]:
+    """Our own figures (not the paper's): ``(figures, data)``, each by figure name.
+
+    ``data``: the numbers each figure draws (what ``data.json`` keeps); ``draw=False`` computes
+    only those (``figures`` is then empty), as the test does. ``log``: a recorded demo run to
+    reuse (:func:`record_demo_run`; else one is recorded).
+    """
     from pagedlearn.sim.workloads import paper_workload
+    from pagedlearn.viz import fragmentation_breakdown, replay_states
+    from pagedlearn.viz.fragmentation import reservation_vs_paging
+
+    frames = replay_states(log if log is not None else record_demo_run())
+    _, state = headline_frame(frames)
+    states = [s for _, s in frames]
+    few = paper_workload("sharegpt", 6, seed=1)
+    step, strips = reservation_vs_paging(few, pool_slots=4096)
+    outcome = lab_outcome()
+    many = paper_workload("sharegpt", 120 if quick else 400, seed=0)
+    breakdown = fragmentation_breakdown(many, pool_slots=8192)
+    pool = pool_data(state)
+    data = {
+        "block_pool": pool,
+        "block_tables": {k: pool[k] for k in ("step", "tables")},
+        "memory_timeline": timeline_data(states),
+        "reservation_vs_paging": {"pool_slots": 4096, "step": step, "strips": strips},
+        "lab_feedback": {"lines": outcome.lines()},
+        "fragmentation": {"num_requests": len(many), "pool_slots": 8192, "rows": breakdown},
+    }
+    if not draw:
+        return {}, data
     from pagedlearn.viz import (
         draw_block_pool,
         draw_block_tables,
         draw_fragmentation,
         draw_memory_timeline,
         draw_reservation_vs_paging,
-        fragmentation_breakdown,
-        replay_states,
     )
 
-    directory = Path(directory)
-    out(f"serving the demo's mixed batch on {DEMO_MODEL} (recorded) ...")
-    log = record_demo_run()
-    frames = replay_states(log)
-    _, state = headline_frame(frames)
     figures = {
         "block_pool": draw_block_pool(state, title=f"The physical KV blocks at step {state.step}"),
         "block_tables": draw_block_tables(state, title=f"Block tables at step {state.step}"),
-        "memory_timeline": draw_memory_timeline([s for _, s in frames]),
+        "memory_timeline": draw_memory_timeline(states),
+        "reservation_vs_paging": draw_reservation_vs_paging(few, pool_slots=4096),
+        "lab_feedback": lab_feedback(outcome),
+        "fragmentation": draw_fragmentation(breakdown),
     }
-    out("simulating reservation vs paging on the same requests ...")
-    few = paper_workload("sharegpt", 6, seed=1)
-    figures["reservation_vs_paging"] = draw_reservation_vs_paging(few, pool_slots=4096)
-    figures["lab_feedback"] = lab_feedback()
-    many = paper_workload("sharegpt", 120 if quick else 400, seed=0)
-    figures["fragmentation"] = draw_fragmentation(fragmentation_breakdown(many, pool_slots=8192))
-    paths = plots.save_all(figures, directory)
+    return figures, data
+
+
+def make_figures(directory="figures", paper: bool = True, quick: bool = False, out=print):
+    """Write every figure into ``directory``, and the numbers each draws into its
+    ``data.json``; returns the PNG paths written."""
+    from pagedlearn.sim import plots
+
+    directory = Path(directory)
+    out(f"serving the demo's mixed batch on {DEMO_MODEL} (recorded) and simulating reservation "
+        "vs paging on the same requests ...")  # fmt: skip
+    figures, data = own_figures(quick)
+    paths = plots.save_all(figures, directory, data)
     if paper:
         from pagedlearn.sim.paper import report
 
         out("recomputing the paper's memory figures (python -m pagedlearn paper) ...")
         paths += report(quick=quick, out=lambda *_: None, figures_dir=directory)
-    out("wrote " + ", ".join(str(p) for p in paths))
+    out("wrote " + ", ".join(str(p) for p in paths) + f" and {directory / plots.DATA}")
     return paths

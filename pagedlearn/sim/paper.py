@@ -65,15 +65,23 @@ def figure2_parts(breakdown: dict) -> dict:
     }
 
 
-def figure2(workload="sharegpt", num_requests=None, spread=1.0, seed=0, pool_slots=POOL_SLOTS):
+def figure2(
+    workload="sharegpt",
+    num_requests=None,
+    spread=1.0,
+    seed=0,
+    pool_slots=POOL_SLOTS,
+    systems=SYSTEMS,
+):
     """Figure 2: where the KV memory goes, per system, averaged over the steps under load.
 
     The server is saturated (every request arrives at once), as in the paper's measurement; the
     average covers the steps with a queue, when free memory is memory no one can use.
+    ``systems``: which rows (each is its own run).
     """
     num_requests = num_requests or NUM_REQUESTS[workload]
     rows = []
-    for system in SYSTEMS:
+    for system in systems:
         b = run(system, workload, num_requests, spread, seed, pool_slots, BLOCK_SIZE)
         b = b.mean_breakdown()
         paper = PAPER_FIG2[system]
@@ -90,7 +98,14 @@ def figure2(workload="sharegpt", num_requests=None, spread=1.0, seed=0, pool_slo
     return rows
 
 
-def figure13(workload="sharegpt", num_requests=None, spread=1.0, seed=0, pool_slots=POOL_SLOTS):
+def figure13(
+    workload="sharegpt",
+    num_requests=None,
+    spread=1.0,
+    seed=0,
+    pool_slots=POOL_SLOTS,
+    systems=SYSTEMS,
+):
     """Figure 13: the average number of requests batched together, per system.
 
     Saturated arrivals (every request at time 0): the batch is then what each memory model
@@ -99,11 +114,11 @@ def figure13(workload="sharegpt", num_requests=None, spread=1.0, seed=0, pool_sl
     near the paper's). Alpaca's short requests do not: Max stays at its memory limit, but
     vLLM's batch is set by demand (Little's law: rate x time a request stays, which depends on
     the step time), below what memory allows -- :func:`rate_sensitivity` shows it, and chapter
-    08 tells it. ``preemptions`` counts vLLM's recompute preemptions.
+    08 tells it. ``preemptions`` counts vLLM's recompute preemptions. ``systems``: which rows.
     """
     num_requests = num_requests or NUM_REQUESTS[workload]
     rows = []
-    for system in SYSTEMS:
+    for system in systems:
         result = run(system, workload, num_requests, spread, seed, pool_slots, BLOCK_SIZE)
         rows.append(
             {
@@ -247,10 +262,16 @@ def report(quick: bool = False, out=print, figures_dir=None) -> list:
     model = "tiny-gpt2" if quick else swap_recompute.GPT2_SIZE_RANDOM
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     out(
-        f"\nFigure 19 -- swap vs recompute of 512 tokens of {model}, measured on this machine "
-        f"(ms; load average {load:.1f}: other work on the cores inflates these)"
+        f"\nFigure 19 -- swap vs recompute of {swap_recompute.NUM_TOKENS} tokens of {model}, "
+        "measured on this machine (ms, median of rounds that time every block size once, in a "
+        f"shuffled order, after a warm-up; load average {load:.1f}: other work on the cores "
+        "inflates these)"
     )
-    out(format_rows(fig19, digits=3))
+    keep = ("block_size", *swap_recompute.TIMED, "recompute_over_swap")
+    out(format_rows([{k: r[k] for k in keep} for r in fig19], digits=3))
+    out("spread of the repetitions, (slowest - fastest) / median, % (large: rerun before "
+        "reading a shape into that point)")  # fmt: skip
+    out(format_rows(swap_recompute.spread_rows(fig19), digits=0))
     out(swap_recompute.PAPER_FIG19)
     from pagedlearn.sim import serving_latency
 
@@ -264,6 +285,29 @@ def report(quick: bool = False, out=print, figures_dir=None) -> list:
         return []
     from pagedlearn.sim import plots
 
+    # What each figure draws, with the sizes it was computed at (tests/test_figures.py recomputes
+    # a few rows of each at those sizes); Figures 19 and 12's timings under "measured".
+    sizes = {"sharegpt": n["sharegpt"], "alpaca": n["alpaca"]}
+    sweep_model = fig12_summary["model"]
+    data = {
+        "paper_fig2_memory_breakdown": {"workload": "sharegpt", "num_requests": n["sharegpt"],
+                                        "rows": fig2},
+        "paper_fig13_batch_size": {"num_requests": sizes, "rows": fig13},
+        "paper_fig15_sharing": {"num_requests": per_request, "rows": fig15},
+        "paper_fig18b_block_size": {"num_requests": sizes, "rows": fig18b},
+        "paper_spread_sensitivity": {"workload": "sharegpt", "num_requests": n["sharegpt"],
+                                     "rows": sensitivity},
+        "prefix_caching": {"quick": quick, "rows": caching},
+        "paper_fig19_swap_recompute": {
+            "model": model,
+            "num_tokens": swap_recompute.NUM_TOKENS,
+            "rows": [{k: r[k] for k in ("block_size", "num_blocks", "bytes")} for r in fig19],
+            "measured": fig19,
+        },
+        "paper_fig12_latency": {"model": sweep_model,
+                                "measured": {"rows": fig12, "summary": fig12_summary}},
+    }  # fmt: skip
+
     figures = {
         "paper_fig2_memory_breakdown": plots.plot_figure2(fig2),
         "paper_fig13_batch_size": plots.plot_figure13(fig13),
@@ -274,6 +318,6 @@ def report(quick: bool = False, out=print, figures_dir=None) -> list:
         "paper_fig19_swap_recompute": swap_recompute.plot_figure19(fig19),
         "paper_fig12_latency": plots.plot_figure12(fig12, fig12_summary),
     }
-    paths = plots.save_all(figures, figures_dir)
+    paths = plots.save_all(figures, figures_dir, data)
     out("\nfigures: " + ", ".join(str(p) for p in paths))
     return paths

@@ -215,8 +215,10 @@ def plot_figure12(rows, summary):
     return fig
 
 
-def save_all(figures: dict, directory) -> list:
-    """Write each figure as ``<name>.png`` into ``directory``; return the paths."""
+def save_all(figures: dict, directory, data: dict | None = None) -> list:
+    """Write each figure as ``<name>.png`` into ``directory``; return the paths. ``data``: the
+    numbers each figure draws, by the same names, merged into ``directory``'s :data:`DATA`
+    (:func:`save_data`)."""
     from pathlib import Path
 
     directory = Path(directory)
@@ -226,4 +228,35 @@ def save_all(figures: dict, directory) -> list:
         path = directory / f"{name}.png"
         fig.savefig(path, dpi=120)
         paths.append(path)
+    if data is not None:
+        save_data(data, directory)
     return paths
+
+
+DATA = "data.json"  # beside the PNGs: the numbers each one draws, by figure name
+
+
+def save_data(data: dict, directory):
+    """Merge ``data`` (figure name -> JSON-able numbers) into ``directory / DATA``: the entries
+    of other figures already there are kept, so ``figures`` and ``paper`` each write theirs.
+    Lists of plain values stay on one line, so a diff shows which figure's numbers moved."""
+    import json
+    from pathlib import Path
+
+    path = Path(directory) / DATA
+    merged = json.loads(path.read_text()) if path.exists() else {}
+    merged.update(json.loads(json.dumps(data)))  # tuples become lists, keys strings
+    path.write_text(_dumps(dict(sorted(merged.items()))) + "\n")
+    return path
+
+
+def _dumps(value, indent: str = "") -> str:
+    import json
+
+    inner = indent + "  "
+    if isinstance(value, dict) and value:
+        items = [f"{inner}{json.dumps(k)}: {_dumps(v, inner)}" for k, v in value.items()]
+        return "{\n" + ",\n".join(items) + "\n" + indent + "}"
+    if isinstance(value, list) and any(isinstance(v, (dict, list)) for v in value):
+        return "[\n" + ",\n".join(inner + _dumps(v, inner) for v in value) + "\n" + indent + "]"
+    return json.dumps(value)

@@ -30,9 +30,15 @@ CPU cores that do some thousand times fewer FLOP/s than an A100. So recomputatio
 expensive here than on a GPU; the shape of the swap curves (many small copies cost more than a
 few large ones) is what carries over. The model also differs: a GPT-2-sized model in float32,
 not OPT-13B in float16. ``device="cuda"`` measures it on a GPU instead.
-Nothing here asserts a timing: the rows are what this machine measured. On a small shared machine
-another process's load shows up as outliers (torch's threads wait for a busy core); the medians
-resist a few, and a rerun on a quiet machine tells noise from effect.
+Nothing here asserts a timing: the rows are what this machine measured. Every block size is timed
+under the same conditions, so that a difference between two block sizes is not a difference
+between two moments: all the benches are built and each of their timed calls is made once
+(warm-up: torch's lazy set-up, first-touch page faults) before any call is timed; then each of
+``repeats`` rounds times every (block size, what) pair once, in an order shuffled anew each round
+(seeded). A busy spell on a shared machine then hits random block sizes rather than the ones
+that ran at that moment, and shows in the spread (``*_spread_pct``: (slowest - fastest) /
+median, in %) instead of bending a curve; the medians resist a few such outliers. A large
+spread says: rerun on a quieter machine before reading a shape into that point.
 """
 
 from __future__ import annotations
@@ -54,6 +60,7 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+NUM_TOKENS = 512  # per measurement: the paper's Figure 19 does not say; a typical prompt's worth
 PAPER_FIG19 = (
     "Paper (Figure 19a, OPT-13B on an A100 over PCIe): swapping is expensive for small blocks "
     "(many small PCIe transfers); recomputation is flat across block sizes; 'recomputation "
@@ -64,6 +71,10 @@ FIELDS = (
     "block_size", "num_blocks", "bytes", "swap_out_ms", "swap_in_ms", "swap_out_per_block_ms",
     "swap_in_per_block_ms", "recompute_ms", "recompute_over_swap",
 )  # fmt: skip
+TIMED = ("recompute_ms", "swap_out_ms", "swap_in_ms", "swap_out_per_block_ms",
+         "swap_in_per_block_ms")  # fmt: skip
+# Per timed column: (slowest - fastest repetition) / median, in %; after FIELDS in every row.
+SPREADS = tuple(c.removesuffix("_ms") + "_spread_pct" for c in TIMED)
 
 
 @dataclass
@@ -121,19 +132,6 @@ def swap_per_block(cache: KVCache, pairs: list[tuple[int, int]], direction: str)
                 dst[kv, layer, d].copy_(src[kv, layer, s], non_blocking=True)
 
 
-def _median_ms(fn, repeats: int, sync) -> float:
-    """One warm-up call, then the median of ``repeats`` timed calls, in milliseconds."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        sync()  # on a GPU, wait for earlier work so that it is not billed to this call
-        t0 = time.perf_counter()
-        fn()
-        sync()  # ... and for this call's own asynchronous work
-        times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
-
-
 def _check(block_sizes, num_tokens, repeats):
     if not block_sizes:
         raise ValueError("block_sizes is empty: give at least one block size, e.g. (16,)")
@@ -146,17 +144,34 @@ def _check(block_sizes, num_tokens, repeats):
                 raise ValueError(f"{name} must be at least 1, got {v}")
 
 
+def layout(block_sizes, num_tokens: int, bytes_per_token: int) -> list[dict]:
+    """The rows' columns that are not measured: ``block_size``, ``num_blocks`` = ceil(num_tokens
+    / block size) and ``bytes`` moved per direction (whole blocks: the last one may be partly
+    filled, and a swap copies it whole). Cheap: no model, no timing."""
+    rows = []
+    for bs in block_sizes:
+        n = -(-num_tokens // bs)
+        rows.append({"block_size": bs, "num_blocks": n, "bytes": n * bs * bytes_per_token})
+    return rows
+
+
 @torch.inference_mode()
 def measure(
-    block_sizes=BLOCK_SIZES, num_tokens=512, model="tiny-gpt2", repeats=5, device="cpu"
+    block_sizes=BLOCK_SIZES,
+    num_tokens=NUM_TOKENS,
+    model="tiny-gpt2",
+    repeats=5,
+    device="cpu",
+    seed=0,
 ) -> list[dict]:
     """Time swap out / in (batched, and one copy per block) and recompute per block size.
 
     ``model``: anything :func:`pagedlearn.models.load` takes, or ``"gpt2-size-random"``. One row
-    per block size with :data:`FIELDS`: ``bytes`` moved per direction (whole blocks: the last one
-    may be partly filled, and a swap copies it whole), ``num_blocks`` = ceil(num_tokens / block
-    size), medians in ms of ``repeats`` runs after one warm-up, and ``recompute_over_swap`` =
-    recompute / (swap out + swap in), batched.
+    per block size with :data:`FIELDS` (:func:`layout`'s columns, then the medians in ms of
+    ``repeats`` timed calls and ``recompute_over_swap`` = recompute / (swap out + swap in),
+    batched) and :data:`SPREADS`. Every call is made once untimed first, then the rounds time
+    every (block size, column) pair once each, in an order shuffled by ``seed`` (module
+    docstring: the same conditions for every block size).
     """
     _check(block_sizes, num_tokens, repeats)
     loaded = load(model)
@@ -167,24 +182,48 @@ def measure(
         raise ValueError(f"num_tokens={num_tokens} is more than {loaded.name} has positions for "
                          f"({limit})")  # fmt: skip
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-    rows = []
-    for bs in block_sizes:
+    calls = {}  # (block size, column) -> the call it times
+    for bs in dict.fromkeys(block_sizes):
         s = prepare(loaded, bs, num_tokens, dev)
         cache, out_pairs, in_pairs = s.cache, s.out_pairs(), s.in_pairs()
-        row = {"block_size": bs, "num_blocks": s.num_blocks}
-        row["bytes"] = s.num_blocks * bs * cache.spec.bytes_per_token
-        timed = {  # column -> what it times; the prefill first: it fills blocks 0 .. n-1
-            "recompute_ms": s.prefill,
-            "swap_out_ms": partial(cache.swap_out, out_pairs),
-            "swap_in_ms": partial(cache.swap_in, in_pairs),
-            "swap_out_per_block_ms": partial(swap_per_block, cache, out_pairs, "out"),
-            "swap_in_per_block_ms": partial(swap_per_block, cache, in_pairs, "in"),
+        calls |= {  # the prefill first: it fills blocks 0 .. n-1, which the swaps then move
+            (bs, "recompute_ms"): s.prefill,
+            (bs, "swap_out_ms"): partial(cache.swap_out, out_pairs),
+            (bs, "swap_in_ms"): partial(cache.swap_in, in_pairs),
+            (bs, "swap_out_per_block_ms"): partial(swap_per_block, cache, out_pairs, "out"),
+            (bs, "swap_in_per_block_ms"): partial(swap_per_block, cache, in_pairs, "in"),
         }
-        for column, fn in timed.items():
-            row[column] = _median_ms(fn, repeats, sync)
+    for fn in calls.values():  # warm-up, in the same order for every block size
+        fn()
+    sync()
+    times = {key: [] for key in calls}
+    order, rng = list(calls), random.Random(seed)
+    for _ in range(repeats):
+        rng.shuffle(order)
+        for key in order:
+            sync()  # on a GPU, wait for earlier work so that it is not billed to this call
+            t0 = time.perf_counter()
+            calls[key]()
+            sync()  # ... and for this call's own asynchronous work
+            times[key].append(1e3 * (time.perf_counter() - t0))
+    rows = []
+    for row in layout(block_sizes, num_tokens, kv_cache_spec(loaded.model).bytes_per_token):
+        bs = row["block_size"]
+        for column in TIMED:
+            row[column] = statistics.median(times[bs, column])
         row["recompute_over_swap"] = row["recompute_ms"] / (row["swap_out_ms"] + row["swap_in_ms"])
-        rows.append({k: row[k] for k in FIELDS})
+        spreads = {}
+        for column, name in zip(TIMED, SPREADS, strict=True):
+            ts = times[bs, column]
+            spreads[name] = 100 * (max(ts) - min(ts)) / statistics.median(ts)
+        rows.append({**{k: row[k] for k in FIELDS}, **spreads})
     return rows
+
+
+def spread_rows(rows) -> list[dict]:
+    """The spread of each row's repetitions, for printing beside the medians: ``block_size`` and
+    :data:`SPREADS`."""
+    return [{"block_size": r["block_size"], **{k: r[k] for k in SPREADS}} for r in rows]
 
 
 def figure19(quick: bool = False) -> list[dict]:
@@ -192,8 +231,8 @@ def figure19(quick: bool = False) -> list[dict]:
     ``gpt2-size-random`` (GPT-2 small's size), every block size 1..256, 5 repeats. 512 tokens.
     The paper's findings, for a table's notes: :data:`PAPER_FIG19`."""
     if quick:
-        return measure((1, 4, 16, 64), 512, "tiny-gpt2", repeats=3)
-    return measure(BLOCK_SIZES, 512, GPT2_SIZE_RANDOM, repeats=5)
+        return measure((1, 4, 16, 64), NUM_TOKENS, "tiny-gpt2", repeats=3)
+    return measure(BLOCK_SIZES, NUM_TOKENS, GPT2_SIZE_RANDOM, repeats=5)
 
 
 def plot_figure19(rows, title=None) -> Figure:

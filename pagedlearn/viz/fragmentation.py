@@ -280,6 +280,34 @@ def _layout(memory, running_lengths) -> list[tuple[int, int, str, int | None]]:
     return sorted(segments)
 
 
+def reservation_vs_paging(
+    requests, pool_slots: int, block_size: int = 16, step: int | None = None
+) -> tuple[int, list[dict]]:
+    """What :func:`draw_reservation_vs_paging` draws, without drawing: ``(step, strips)``, one
+    strip for Orca (Max) and one for paging, each a dict with the memory model's ``name``, the
+    ``running`` and ``waiting`` requests and ``token_states`` slots at that step, and
+    ``segments``: ``(start slot, slots, category, request id or None)`` covering the pool."""
+    reqs = as_requests(requests)
+    _check_pool(pool_slots, block_size)
+    if step is None:
+        step = min(r.output_len for r in reqs) // 2
+    if not _is_int(step) or step < 0:
+        raise ValueError(f"step must be an int >= 0 (an engine step), got {step!r}")
+    strips = []
+    for system in ("max", "vllm"):
+        watch = _Watch(make_memory(system, pool_slots, block_size), step)
+        result = simulate(reqs, watch, max_steps=step + 1)
+        if watch.layout is None:
+            raise ValueError(
+                f"step {step} is past the end of the run: {watch.name} serves every request "
+                f"in {result.steps} steps (0..{result.steps - 1})"
+            )
+        snap = result.snapshots[step]
+        strips.append({"name": watch.name, "running": snap.running, "waiting": snap.waiting,
+                       "token_states": snap.token_states, "segments": watch.layout})  # fmt: skip
+    return step, strips
+
+
 def draw_reservation_vs_paging(
     requests, pool_slots: int, block_size: int = 16, step: int | None = None
 ) -> Figure:
@@ -294,32 +322,18 @@ def draw_reservation_vs_paging(
     Boxes outline each request's slots (labelled R<id> where they fit). Meant for a handful of
     requests (4 to 6); ``requests`` as :func:`fragmentation_breakdown` takes.
     """
-    reqs = as_requests(requests)
-    _check_pool(pool_slots, block_size)
-    if step is None:
-        step = min(r.output_len for r in reqs) // 2
-    if not _is_int(step) or step < 0:
-        raise ValueError(f"step must be an int >= 0 (an engine step), got {step!r}")
-    watched = []
-    for system in ("max", "vllm"):
-        watch = _Watch(make_memory(system, pool_slots, block_size), step)
-        result = simulate(reqs, watch, max_steps=step + 1)
-        if watch.layout is None:
-            raise ValueError(
-                f"step {step} is past the end of the run: {watch.name} serves every request "
-                f"in {result.steps} steps (0..{result.steps - 1})"
-            )
-        watched.append((watch, result.snapshots[step]))
+    step, strips = reservation_vs_paging(requests, pool_slots, block_size, step)
     with matplotlib.rc_context(STYLE):
         fig = Figure(figsize=(12, 4.6))
         axes = fig.subplots(2, 1, sharex=True)
-        for ax, (watch, snap) in zip(axes, watched, strict=True):
+        for ax, strip in zip(axes, strips, strict=True):
             # White block borders help while blocks are a few pixels wide; past ~200 they would
             # paint the strip white.
-            _draw_strip(ax, watch.layout, pool_slots, 0.5 if pool_slots <= 200 * block_size else 0)
-            used = 100 * snap.token_states / pool_slots
-            ax.set_title(f"{watch.name}: {snap.running} running, {snap.waiting} waiting; "
-                         f"token states {used:.0f}% of the pool", loc="left")  # fmt: skip
+            edge = 0.5 if pool_slots <= 200 * block_size else 0
+            _draw_strip(ax, strip["segments"], pool_slots, edge)
+            used = 100 * strip["token_states"] / pool_slots
+            ax.set_title(f"{strip['name']}: {strip['running']} running, {strip['waiting']} "
+                         f"waiting; token states {used:.0f}% of the pool", loc="left")  # fmt: skip
         axes[1].set_xlabel(f"KV-cache token slots (pool of {pool_slots}; step {step})")
         handles = [
             Patch(facecolor=COLORS[k], edgecolor="grey", label=v) for k, v in STRIP_LABELS.items()
