@@ -349,7 +349,7 @@ def main(argv=None) -> dict:
         args.sizes = [int(x) for x in args.sizes.split(",") if x.strip()]
     except ValueError:
         parser.error(f"--sizes: comma-separated ints such as 1,2,4, got {args.sizes!r}")
-    total = threads_module.chosen.count if threads_module.chosen else 1  # T (cli/threads.py)
+    total = threads_module.chosen.count  # T: set by `import pagedlearn` (cli/threads.py)
     if args.threads is None:
         args.threads = max(1, total // 2)
     if args.quick:

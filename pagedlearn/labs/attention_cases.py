@@ -116,7 +116,12 @@ def make_case(
 
 
 # --- comparing an output with the reference -------------------------------------------------------
-def first_mismatch(out, want, atol=2e-5, rtol=1e-4) -> tuple[int, str] | None:
+# The labs' tolerance for float32 attention outputs: every comparison of a student's tensor with
+# the reference's uses it (here, kernel.py, and the replayed recordings of expected.py).
+ATOL, RTOL = 2e-5, 1e-4
+
+
+def first_mismatch(out, want, atol=ATOL, rtol=RTOL) -> tuple[int, str] | None:
     """``(sequence, what is wrong)`` for the first sequence where ``out`` differs, or None."""
     for i in range(want.shape[0]):
         o, w = out[i].float(), want[i].float()
@@ -141,7 +146,7 @@ def diagnose(out, variants) -> str:
             continue
         if w is None or w.shape != out.shape or not torch.isfinite(w).any():
             continue  # (NaN everywhere would match NaN everywhere, whatever the cause)
-        if torch.allclose(out, w, atol=2e-5, rtol=1e-4, equal_nan=True):
+        if torch.allclose(out, w, atol=ATOL, rtol=RTOL, equal_nan=True):
             return why
     return ""
 

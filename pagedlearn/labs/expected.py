@@ -19,7 +19,7 @@ names a lab's own harness function, which the edition has; the reference's funct
 there). What it cannot do, that the grader does: shrink a random case to the shortest (the
 replay shows the first recorded case that fails, as it was drawn), and explain a tensor
 mismatch by the known mistakes (it says where the numbers differ). Floats and tensors are
-compared with the labs' tolerance (``atol=2e-5, rtol=1e-4``), NaN equal to NaN.
+compared with the labs' tolerance (``attention_cases.ATOL``, ``RTOL``), NaN equal to NaN.
 """
 
 from __future__ import annotations
@@ -203,13 +203,15 @@ def _same(a, b) -> bool:
 def _same_tensor(a: dict, b: dict) -> bool:
     import torch
 
+    from pagedlearn.labs.attention_cases import ATOL, RTOL  # (imports torch: here, not above)
+
     codec = Codec()
     x, y = codec.decode(a), codec.decode(b)
     if x.shape != y.shape or x.dtype != y.dtype:
         return False
     if not x.is_floating_point():
         return bool(torch.equal(x, y))
-    return bool(torch.allclose(x, y, atol=2e-5, rtol=1e-4, equal_nan=True))
+    return bool(torch.allclose(x, y, atol=ATOL, rtol=RTOL, equal_nan=True))
 
 
 def _message(entry: dict, problem: str) -> str:

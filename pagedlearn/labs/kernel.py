@@ -45,7 +45,14 @@ import numpy as np
 import torch
 
 from pagedlearn import attention as ref
-from pagedlearn.labs.attention_cases import Case, compare, known_mistakes, make_case
+from pagedlearn.labs.attention_cases import (
+    ATOL,
+    RTOL,
+    Case,
+    compare,
+    known_mistakes,
+    make_case,
+)
 from pagedlearn.labs.handout import is_stub
 from pagedlearn.labs.lab import CheckFailed, Exercise, Lab, student_line
 from pagedlearn.labs.remote import in_student
@@ -292,7 +299,7 @@ def check_kernel(sub, exercise: str, case: Case, num_splits: int = 1, hint: str 
 
 
 def _close(a, b) -> bool:
-    return torch.allclose(a, b, atol=2e-5, rtol=1e-4)
+    return torch.allclose(a, b, atol=ATOL, rtol=RTOL)
 
 
 def _read_unwritten(out, want) -> bool:

@@ -107,7 +107,7 @@ class TensorParallelExecutor:
         rendezvous = f"tcp://127.0.0.1:{_free_port()}"  # rank 0 hosts the store there
         # The CPU threads pagedlearn chose for this machine when it was imported (cli/threads.py),
         # shared by the workers: N workers together use what one process would.
-        threads = threads_module.chosen.count if threads_module.chosen else 1
+        threads = threads_module.chosen.count  # (set by `import pagedlearn`, which ran first)
         self.procs, self.conns = [], []
         for rank in range(size):
             cfg = WorkerConfig(

@@ -120,9 +120,10 @@ class _SamplingRequest(_Body):
     prompt_field: ClassVar[str] = "prompt"
 
     def check(self) -> None:
-        """Refuse a lone surrogate anywhere, what pagedlearn does not implement, and vLLM's own
-        cross-field rules."""
-        self.check_text()
+        """Refuse what pagedlearn does not implement, and vLLM's own cross-field rules. (A lone
+        surrogate is refused earlier, by :meth:`check_text`, which the prompt's readers --
+        ``one_prompt``, ``chat_messages`` -- run before the tokenizer sees any text: once per
+        body, not again here.)"""
         for name, (neutral, allowed) in NEUTRAL.items():
             if name in type(self).model_fields and not neutral(getattr(self, name), self):
                 raise ProtocolError(
