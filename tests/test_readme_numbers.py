@@ -207,7 +207,7 @@ def test_measured_numbers_are_said_to_be_measurements(section):
     said(section, "Figure 19, swap vs recompute, is a measurement, not a simulation")
     # Figure 19's milliseconds: which run, under which conditions
     said(section, "the run that drew `figures/paper_fig19_swap_recompute.png` timed every block")
-    said(section, "These are a busy machine's times")
+    said(section, "a point whose spread is large needs a rerun before its shape means anything")
     said(section, "Over two runs the paged engine sustained")  # Figure 12 on the CPU clock
     said(section, "median (min-max) of 3 repeats", "load average")  # the benchmark's table
 
