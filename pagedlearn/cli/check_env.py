@@ -46,6 +46,8 @@ DEV = [
     ("openai", "openai"),
     ("gguf", "gguf"),
     ("accelerate", "accelerate"),
+    ("pyzmq", "zmq"),
+    ("msgspec", "msgspec"),
 ]
 
 PROBE_TIMEOUT_S = 120  # the interpreter probe imports torch and Triton in a fresh process
