@@ -165,6 +165,17 @@ def test_an_off_by_one_mask_is_named_by_every_check_it_fails(tmp_path):
         assert "must rescale both" not in o.message and "t % BLOCK_SIZE" not in o.message
 
 
+def test_the_rescale_hint_comes_only_from_an_unrescaled_output(tmp_path):
+    """A finite wrong output fails the rescaling check too; it names rescaling only when the
+    output is what a missing rescale gives (here every KV head reads head 0's keys)."""
+    old = "kv_offs = slot_offs[:, None] + head_off + offs_d[None, :]"
+    files = patched(LAB, FILE, old, "kv_offs = slot_offs[:, None] + offs_d[None, :]")
+    outcomes = grade_lab(LAB, submit(LAB, tmp_path, files), "tile")
+    failed = [o for o in outcomes if o.status == FAILED]
+    assert any("rescales" in o.check for o in failed), [o.check for o in failed]
+    assert not any("must rescale both" in o.message for o in failed), [o.message for o in failed]
+
+
 @interpreter_only
 def test_a_crash_in_the_helper_names_the_students_line(tmp_path):
     files = patched(LAB, FILE, "    t_mask = pos < end\n", "    t_mask = pos < undefined_name\n")

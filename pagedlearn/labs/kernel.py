@@ -233,6 +233,33 @@ def _tail_counted(case: Case, tile: int, num_splits: int):
     return out
 
 
+def _unrescaled(case: Case, tile: int, num_splits: int, acc_rescaled, l_rescaled):
+    """The answer of the tile loop (TILE_N = ``tile``) when ``acc`` or ``l_i`` is not multiplied
+    by ``alpha = exp(m_old - m_new)`` as the max grows: lab 4's online softmax, one tile at a
+    time, with that step left out."""
+    if num_splits != 1:
+        return None
+    out = torch.empty_like(case.q)
+    heads, scale = case.q.shape[1], case.q.shape[-1] ** -0.5
+    for i, n in enumerate(case.lens):
+        group = heads // case.keys[i].shape[1]  # query heads per KV head (grouped heads)
+        k = case.keys[i].repeat_interleave(group, dim=1)  # [n, heads, head_dim]
+        v = case.values[i].repeat_interleave(group, dim=1)
+        m = torch.full((heads,), float("-inf"), device=out.device)
+        l_sum, acc = torch.zeros(heads, device=out.device), torch.zeros_like(case.q[i])
+        for t in range(0, n, tile):
+            s = torch.einsum("hd,thd->ht", case.q[i], k[t : t + tile]) * scale  # [heads, T]
+            m_new = torch.maximum(m, s.max(dim=1).values)
+            alpha, p = torch.exp(m - m_new), torch.exp(s - m_new[:, None])
+            l_sum = (alpha if l_rescaled else 1) * l_sum + p.sum(dim=1)
+            acc = (alpha[:, None] if acc_rescaled else 1) * acc + torch.einsum(
+                "ht,thd->hd", p, v[t : t + tile]
+            )
+            m = m_new
+        out[i] = acc / l_sum[:, None] if n else 0
+    return out
+
+
 def observe_kernel(sub, exercise: str, args: tuple, num_splits: int) -> dict:
     """(Runs where the student's code is.) Launch the kernel with the student's helper for
     ``exercise`` on a case's tensors ``args`` (``Case.args()``). Returns ``{"out": the output,
@@ -292,6 +319,19 @@ def check_kernel(sub, exercise: str, case: Case, num_splits: int = 1, hint: str 
             lambda: _tail_counted(case, tile, num_splits),
         )
     )
+    for what, acc, l_i in (
+        ("acc seems", False, True),
+        ("l_i seems", True, False),
+        ("l_i and acc seem", False, False),
+    ):
+        mistakes.append(
+            (
+                f"{what} not to be rescaled: alpha = exp(m_i - "
+                "m_new) must rescale both l_i and acc before this tile's p = exp(s - m_new) "
+                "is added",
+                lambda acc=acc, l_i=l_i: _unrescaled(case, tile, num_splits, acc, l_i),
+            )
+        )
     want = ref.paged_attention_ref(*case.args())
     if _read_unwritten(out, want):  # the check's own hint may be about something else
         hint = _which_slots(sub, exercise, case, num_splits) or hint
@@ -390,9 +430,12 @@ def _steep(i, t, n):  # sequence 0 rises from -150 to 150, sequence 1 falls from
 
 @LAB.check("tile", points=2, timeout_s=30.0)
 def tile_rescales_when_the_max_grows(sub):
+    # The hint names rescaling only when the output is what a missing rescale gives
+    # (_unrescaled, among check_kernel's known mistakes): other mistakes fail here too.
     hint = (
-        "here the scores grow from tile to tile: alpha = exp(m_i - m_new) must rescale both "
-        "l_i and acc before this tile's p = exp(s - m_new) is added"
+        "here the scores grow from tile to tile, so the running max m_i rises at every tile; "
+        "your output is not what leaving out the rescale of l_i or acc gives, so the mistake "
+        "is elsewhere (the checks above test one rule each)"
     )
     check_kernel(sub, "tile", case([96, 70], 8, heads=4, seed=23, ramp=_rising), hint=hint)
 
