@@ -211,3 +211,28 @@ def serve_command(args: list[str], env: dict, **popen):
             proc.kill()
             proc.wait(10)
         reader.join(10)
+
+
+def assert_error(r, status: int, param=..., says: str = "", inside: bool = False) -> dict:
+    """``r`` is OpenAI's error shape with this status, naming ``param`` (with ``inside``, the
+    field or a path inside it: ``messages`` matches ``messages.1.name``), with ``says`` in its
+    message; returns the error object."""
+    assert r.status_code == status, r.text[:2000]
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["code"] == status
+    assert err["type"].endswith("Error") and err["message"]
+    if status == 400:
+        assert err["type"] == "BadRequestError", err
+    if param is not ...:
+        named = err["param"] == param
+        assert named or (inside and str(err["param"]).startswith(f"{param}.")), err
+    assert says.lower() in err["message"].lower(), err
+    return err
+
+
+def assert_serves(http, max_tokens: int = 4) -> None:
+    """The server still answers a plain completion with ``max_tokens`` tokens."""
+    body = {"prompt": "Hello", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    r = http.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == max_tokens

@@ -469,14 +469,18 @@ def test_a_submission_that_imports_the_reference_scores_zero_and_is_told_why(tmp
     assert "write your own" in r.stdout
 
 
-@pytest.mark.parametrize("load, usable, factor", [(0.3, 2, 1.0), (3.0, 2, 1.5), (9.0, 2, 4.5),
-                                                  (100.0, 2, 8.0), (9.0, 16, 1.0)])  # fmt: skip
-def test_a_check_gets_more_time_on_a_busy_machine(monkeypatch, load, usable, factor):
-    """A check's limit grows with the load per usable CPU (issue 33: at load 9 on two cores,
-    the scheduler lab's reference was stopped as an endless loop after 30 s), within bounds."""
+@pytest.mark.parametrize("load, usable, cpus, factor", [
+    (0.3, 2, 2, 1.0), (3.0, 2, 2, 1.5), (9.0, 2, 2, 4.5), (100.0, 2, 2, 8.0), (9.0, 16, 16, 1.0),
+    (40.0, 2, 64, 1.0),  # a 2-CPU container on a 64-CPU host: the host's load, its 64 CPUs
+])  # fmt: skip
+def test_a_check_gets_more_time_on_a_busy_machine(monkeypatch, load, usable, cpus, factor):
+    """A check's limit grows with the load per CPU (issue 33: at load 9 on two cores, the
+    scheduler lab's reference was stopped as an endless loop after 30 s), within bounds, read
+    as the thread count reads it (a container sees its host's load average)."""
     from pagedlearn.cli import threads
     from pagedlearn.labs import runner
 
     monkeypatch.setattr(runner.os, "getloadavg", lambda: (load, load, load))
+    monkeypatch.setattr(runner.os, "cpu_count", lambda: cpus)
     monkeypatch.setattr(threads, "usable_cpus", lambda: usable)
     assert runner.busy_factor() == factor

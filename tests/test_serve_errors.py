@@ -26,7 +26,7 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
-from helpers import serve_command  # noqa: E402
+from helpers import assert_error, assert_serves, serve_command  # noqa: E402
 
 from pagedlearn.serve import serve  # noqa: E402
 
@@ -50,25 +50,6 @@ def http(srv):
 @pytest.fixture(scope="module")
 def client(srv):
     return openai.OpenAI(base_url=srv.base_url, api_key=KEY, max_retries=0, timeout=TIMEOUT)
-
-
-def assert_error(r, status: int, param=..., says: str = "") -> dict:
-    """``r`` is OpenAI's error shape with this status (and param, and words in the message)."""
-    assert r.status_code == status, r.text
-    err = r.json()["error"]
-    assert set(err) == {"message", "type", "param", "code"} and err["code"] == status
-    assert err["type"].endswith("Error") and err["message"]
-    if param is not ...:
-        assert err["param"] == param, err
-    assert says.lower() in err["message"].lower(), err
-    return err
-
-
-def assert_serves(http) -> None:
-    body = {"prompt": "Hello", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
-    r = http.post("/v1/completions", json=body)
-    assert r.status_code == 200, r.text
-    assert r.json()["usage"]["completion_tokens"] == 4
 
 
 COMPLETIONS = [  # (body, status, param, words in the message)

@@ -19,6 +19,8 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
+from helpers import assert_error, assert_serves  # noqa: E402
+
 from pagedlearn.serve import serve  # noqa: E402
 from pagedlearn.serve.middleware import clip, preview  # noqa: E402
 
@@ -45,19 +47,7 @@ def post(http, path: str, body: dict) -> httpx.Response:
 
 def assert_400(r, param: str, says: str = "") -> dict:
     """OpenAI's error shape, status 400, naming ``param`` (the field or a path inside it)."""
-    assert r.status_code == 400, r.text[:2000]
-    err = r.json()["error"]
-    assert set(err) == {"message", "type", "param", "code"} and err["code"] == 400
-    assert err["type"] == "BadRequestError"
-    assert err["param"] == param or err["param"].startswith(param + "."), err
-    assert says.lower() in err["message"].lower(), err
-    return err
-
-
-def assert_serves(http) -> None:
-    body = {"prompt": "Hello", "max_tokens": 2, "temperature": 0, "ignore_eos": True}
-    r = http.post("/v1/completions", json=body)
-    assert r.status_code == 200, r.text
+    return assert_error(r, 400, param, says, inside=True)
 
 
 LENIENT = [  # (body, the field named, words in the message): each was accepted before

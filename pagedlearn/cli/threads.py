@@ -135,6 +135,19 @@ def _cgroup_folders(root: Path, own: Path) -> list[Path]:
     return list(dict.fromkeys(folders))  # each once, the deepest first
 
 
+def load_per_cpu(load: float | None, machine_cpus: int, usable: int) -> float:
+    """The 1-minute load average ``load`` spread evenly over the machine's CPUs: the busy part of
+    each CPU, ours included. In a container the load average is the *host's* (Linux does not
+    scope it), so it is divided by the host's ``machine_cpus``, never by the ``usable`` CPUs
+    alone: a 2-CPU container on a 64-CPU host at load 40 is not 20 times overloaded. Both the
+    thread rule and the labs' time limits (labs/runner.py) read the load through this.
+
+    >>> load_per_cpu(3.0, 2, 2), load_per_cpu(40.0, 64, 2), load_per_cpu(None, 2, 2)
+    (1.5, 0.625, 0.0)
+    """
+    return (load or 0.0) / max(machine_cpus, usable)
+
+
 def rule(usable: int, load: float | None, machine_cpus: int) -> int:
     """Rule 4: the threads for ``usable`` CPUs when the machine's 1-minute load average is
     ``load`` over its ``machine_cpus`` CPUs. The load is spread evenly: the part of it on our
@@ -150,7 +163,7 @@ def rule(usable: int, load: float | None, machine_cpus: int) -> int:
     >>> rule(2, 40.0, 64)  # a 2-CPU container on a 64-CPU host at load 40
     1
     """
-    busy = (load or 0.0) * usable / max(machine_cpus, usable)
+    busy = load_per_cpu(load, machine_cpus, usable) * usable
     free = math.floor(usable - busy + 0.5)
     return max(1, min(free, CAP))
 

@@ -93,21 +93,24 @@ MAX_BUSY_FACTOR = 8.0  # past that, a machine is too busy to grade on: the limit
 
 def busy_factor() -> float:
     """How many times its idle-machine time limit a check gets here: the 1-minute load average
-    per CPU this process may use (pagedlearn/cli/threads.py), at least 1 and at most
-    :data:`MAX_BUSY_FACTOR`. On a machine that other jobs share (a course's server grading a
-    class at once), a correct answer waits for a core, and a fixed wall-clock limit would call
-    it an endless loop; an endless loop is still stopped, a few times later.
+    per CPU (:func:`pagedlearn.cli.threads.load_per_cpu`, the thread count's reading of the
+    load), at least 1 and at most :data:`MAX_BUSY_FACTOR`. On a machine that other jobs share
+    (a course's server grading a class at once), a correct answer waits for a core, and a fixed
+    wall-clock limit would call it an endless loop; an endless loop is still stopped, a few
+    times later.
 
     >>> 1.0 <= busy_factor() <= MAX_BUSY_FACTOR
     True
     """
-    from pagedlearn.cli.threads import usable_cpus
+    from pagedlearn.cli.threads import load_per_cpu, usable_cpus
 
     try:
         load = os.getloadavg()[0]
     except (AttributeError, OSError):  # (no load average on this system)
         return 1.0
-    return min(MAX_BUSY_FACTOR, max(1.0, load / usable_cpus()))
+    usable = usable_cpus()
+    per_cpu = load_per_cpu(load, os.cpu_count() or usable, usable)
+    return min(MAX_BUSY_FACTOR, max(1.0, per_cpu))
 
 
 def run_check(check: Check, sub: Any, timeout_s: float | None = None) -> Outcome:
