@@ -29,7 +29,7 @@ pytest.importorskip("uvicorn")
 
 from pagedlearn.models.tokenizer import max_chars_per_token  # noqa: E402
 from pagedlearn.serve import serve  # noqa: E402
-from pagedlearn.serve.protocol import PROMPT_CHARS_MARGIN  # noqa: E402
+from pagedlearn.serve.request_checks import PROMPT_CHARS_MARGIN  # noqa: E402
 
 SMALL = dict(max_body_bytes=4096, max_header_bytes=2048, max_headers=20)
 READ = 10.0  # seconds a test waits for an answer: far above every limit's (a bound, not a timing)

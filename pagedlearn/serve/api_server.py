@@ -21,7 +21,7 @@ that split the stream with ``str.splitlines`` (httpx's ``iter_lines``) end a lin
 A request reaches these routes only within the server's limits (limits.py: body size, header
 size and count, header and body timeouts, connections), checked in the HTTP protocol before the
 app sees it. A text prompt longer than the served context could hold in any tokenization
-(``protocol.check_prompt_chars``) is refused before it is tokenized; a shorter one's chat
+(``request_checks.check_prompt_chars``) is refused before it is tokenized; a shorter one's chat
 template and tokenization run on a worker thread, not on the event loop: a long prompt does not
 stall the other clients, ``/health`` included. Parsing the body (pydantic) stays on the event
 loop, its cost bounded by the body limit.
@@ -74,13 +74,8 @@ from pagedlearn.serve.middleware import (
     error_response,
     preview,
 )
-from pagedlearn.serve.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    ProtocolError,
-    check_pool,
-    check_prompt_chars,
-)
+from pagedlearn.serve.protocol import ChatCompletionRequest, CompletionRequest, ProtocolError
+from pagedlearn.serve.request_checks import check_pool, check_prompt_chars
 from pagedlearn.serve.responses import Reply
 
 logger = logging.getLogger("pagedlearn.serve")
