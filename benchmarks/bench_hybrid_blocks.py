@@ -6,6 +6,8 @@ on the real engine; the full-attention twin is the same model and weights with i
 pagedlearn builds one full-attention KV-cache group). Both run greedy with ``ignore_eos`` until
 the sequence holds ``--tokens`` tokens. Printed per run: the peak blocks the sequence held
 (from ``StepStats`` after every step), the bound, the blocks the window handed back, the time.
+While it runs, stderr says how many tokens both runs have generated and estimates the time left
+from their rate so far (pagedlearn.progress).
 
 The bound for the sliding model: the blocks of the last W positions, at most
 ceil(W / block_size) + 1 (kv_cache_groups.sliding_blocks_held), after the prompt's prefill step,
@@ -18,25 +20,31 @@ from __future__ import annotations
 
 import argparse
 import platform
+import sys
 import time
 
 from pagedlearn import LLM, SamplingParams
 from pagedlearn.models import load
+from pagedlearn.progress import Progress, write
 
 
-def run(full_attention: bool, tokens: int, block_size: int, prompt: list[int]) -> dict:
+def run(full_attention: bool, tokens: int, block_size: int, prompt: list[int], progress) -> dict:
+    """One sequence grown to ``tokens``; ``progress`` (a :class:`Progress` in generated tokens)
+    advances by one per step: each step after the prefill generates one token."""
     loaded = load("tiny-mistral")
     window = loaded.model.config.sliding_window
     if full_attention:
         loaded.model.config.sliding_window = None  # same weights, every key visible
     llm = LLM(loaded, block_size=block_size, num_blocks=-(-tokens // block_size) + 8, verbose=False)
     engine, peak = llm.engine, [0, 0]  # over all steps, over the steps after the prefill
+    name = "full attention" if full_attention else f"sliding W={window}"
 
     def on_stats(st) -> None:
         held = sum(st.group_blocks.values()) if st.group_blocks else st.used_blocks
         peak[0] = max(peak[0], held)
         if st.step > 1:
             peak[1] = max(peak[1], held)
+        progress.update(1, name)
 
     engine.subscribe_stats(on_stats)
     t0 = time.perf_counter()
@@ -60,13 +68,16 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--block-size", type=int, default=16)
     args = ap.parse_args()
+    sys.stdout.reconfigure(line_buffering=True)  # each result as it comes, even into a pipe
     prompt = list(b"The quick brown fox jumps over the lazy dog, twice over.")  # 56 tokens
     bs = args.block_size
     print(f"machine: {platform.machine()} {platform.processor() or ''}; engine on the CPU")
     print(f"one sequence: prompt {len(prompt)} tokens, grown to {args.tokens} tokens, "
           f"block_size {bs}")  # fmt: skip
+    # Progress on stderr (stdout keeps the results): one token per step, both runs.
+    progress = Progress("bench_hybrid_blocks", 2 * (args.tokens - len(prompt)), "tokens", every=10)
     for full in (False, True):
-        r = run(full, args.tokens, bs, prompt)
+        r = run(full, args.tokens, bs, prompt, progress)
         if full:
             bound = f"ceil({r['tokens']} / {bs}) = {-(-r['tokens'] // bs)}"
         else:
@@ -75,11 +86,12 @@ def main() -> None:
                 f"max(ceil({len(prompt)} / {bs}) at the prefill, ceil({w} / {bs}) + 1) = "
                 f"{max(-(-len(prompt) // bs), -(-w // bs) + 1)}"
             )
-        print(
+        write(  # stdout, clear of the progress bar on a terminal
             f"  {r['attention']:>16}: {r['tokens']} tokens, peak {r['peak_blocks']} blocks held "
             f"(bound: {bound}), {r['decode_peak']} after the prefill step; freed by the "
             f"window {r['window_freed']}; {r['seconds']:.1f} s"
         )
+    progress.close()
 
 
 if __name__ == "__main__":

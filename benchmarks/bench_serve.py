@@ -34,7 +34,9 @@ small CPU more threads fight the client and each other).
    traffic and the RSS reading are serve_traffic.py.
 
 Times on a small shared CPU swing with what else runs: the script prints the load average at the
-start and the end, and every timed run. It prints what it measures and asserts nothing.
+start and the end, and every timed run. It prints what it measures and asserts nothing. While it
+runs, stderr says which part runs, the time so far, and after each run of parts 1 and 2 the time
+left, estimated from the rate of the part's requests so far (pagedlearn.progress).
 
 Usage: python benchmarks/bench_serve.py [--models tiny-gpt2,gpt2-size-random] [--num-requests N]
        [--repeats R] [--rates 10,40] [--rate-requests 200] [--rss-requests 1000,10000]
@@ -72,6 +74,7 @@ from pagedlearn.loadtest.mix import PHASES, build_mix, default_pool
 from pagedlearn.loadtest.report import _json_safe
 from pagedlearn.models import load
 from pagedlearn.models.runner import max_model_len
+from pagedlearn.progress import Progress, seconds
 
 ROOT = Path(__file__).resolve().parent.parent
 RATE_MODEL = "tiny-gpt2"  # parts 2 and 3 run on it
@@ -158,8 +161,9 @@ def warm_up(url: str, llm: LLM, model: str) -> None:
         llm.generate([prompt] * 4, SamplingParams(max_tokens=8), use_tqdm=False)
 
 
-def generate_run(llm: LLM, specs) -> dict:
-    """The mix's requests through ``llm.generate``, one call per phase (fresh cache salts)."""
+def generate_run(llm: LLM, specs, progress=None) -> dict:
+    """The mix's requests through ``llm.generate``, one call per phase (fresh cache salts);
+    ``progress`` (a :class:`Progress` in requests) advances after each phase."""
     run_id, wall, tokens, answered, refused, failed = secrets.token_hex(4), 0.0, 0, 0, 0, 0
     for phase in PHASES:
         group = [s for s in specs if s.phase == phase]
@@ -177,6 +181,8 @@ def generate_run(llm: LLM, specs) -> dict:
             refused, failed = refused + (o.error is not None), failed + bad
             answered += o.error is None and not bad
             tokens += sum(len(c.token_ids) for c in o.outputs)
+        if progress is not None:
+            progress.update(len(group), f"LLM.generate, {phase} phase")
     return {"wall": wall, "output_tokens": tokens, "answered": answered, "refused": refused,
             "errors": failed}  # fmt: skip
 
@@ -191,22 +197,28 @@ def http_run(url: str, n: int, seed: int, rate: float) -> tuple[dict, object]:
 
 
 def overhead(srv: Server, llm: LLM, n: int, repeats: int, seed: int) -> dict:
-    """Part 1 for one model: the systems take turns on ``repeats`` runs of the same mix."""
+    """Part 1 for one model: the systems take turns on ``repeats`` runs of the same mix
+    (progress on stderr: requests sent, both systems counted)."""
     eng = llm.engine
     nb, sb = eng.kv.allocator.num_blocks, eng.kv.cpu_allocator.num_blocks
     specs = build_mix(n, seed, math.inf, eng.max_model_len, BLOCK_SIZE, nb, sb)
     warm_up(srv.url, llm, srv.model)
     runs: dict[str, list[dict]] = {"server": [], "generate": []}
     same = True
-    for _ in range(repeats):
+    progress = Progress(f"bench_serve {srv.model} overhead", 2 * n * repeats, "requests", every=5)
+    for i in range(1, repeats + 1):
         row, report = http_run(srv.url, n, seed, math.inf)
         sent = {r["id"]: r["prompt_tokens"] for r in report.requests}
         same &= sent == {s.request_id: len(s.prompt_token_ids) for s in specs}
         runs["server"].append(row)
+        progress.update(n, f"server run {i}/{repeats}")
+        before = progress.done
         try:
-            runs["generate"].append(generate_run(llm, specs))
+            runs["generate"].append(generate_run(llm, specs, progress))
         except Exception as e:  # a step's error, re-raised by generate (its requests aborted)
             runs["generate"].append({"raised": f"{type(e).__name__}: {e}"})
+        progress.set(before + n, what=f"LLM.generate run {i}/{repeats}")
+    progress.close()
     out = {"num_requests": n, "repeats": repeats, "seed": seed, "same_requests": same,
            "runs": runs}  # fmt: skip
     for name, rows in runs.items():
@@ -271,8 +283,10 @@ def print_overhead(model: str, o: dict) -> None:
 def ttft_at_rates(srv: Server, rates: list[float], n: int, seed: int) -> dict:
     """Part 2: the HTTP load test at each rate; client-side latency, server-side numbers."""
     out = {}
+    progress = Progress(f"bench_serve {RATE_MODEL} TTFT", n * len(rates), "requests")
     for rate in rates:
         _, r = http_run(srv.url, n, seed, rate)
+        progress.update(n, f"rate {rate:g}/s")
         mix = [q["ttft"] for q in r.requests if q["phase"] == "mix" and q["ttft"] is not None]
         s = r.server
         out[rate] = {"ttft": r.latency["ttft"], "e2e": r.latency["e2e"], "itl": r.latency["itl"],
@@ -280,6 +294,7 @@ def ttft_at_rates(srv: Server, rates: list[float], n: int, seed: int) -> dict:
                      "requests_per_s": r.throughput["requests_per_s"], "ok": r.ok,
                      "peak_kv_usage": s["peak_kv_usage"], "hit_rate": s["hit_rate"],
                      "preemptions": s["preemptions"], "aborts": s["aborts"]}  # fmt: skip
+    progress.close()
     return out
 
 
@@ -339,11 +354,19 @@ def main() -> None:
     if not all(r > 0 for r in rates):
         parser.error(f"--rates: requests per second > 0 (inf: all at once), got {rates}")
     torch.set_num_threads(args.torch_threads)
+    sys.stdout.reconfigure(line_buffering=True)  # each result as it comes, even into a pipe
     print(machine_line())
     print(f"torch threads: {args.torch_threads} in each system (server: OMP_NUM_THREADS)")
     results: dict = {"machine": machine_line(), "overhead": {}}
     wanted = models + [RATE_MODEL] * bool({"ttft", "rss"} & parts and RATE_MODEL not in models)
+    started = time.monotonic()
+
+    def say(what: str) -> None:  # what starts now, on stderr (stdout keeps the results)
+        print(f"bench_serve: {what}, {seconds(time.monotonic() - started)} so far",
+              file=sys.stderr, flush=True)  # fmt: skip
+
     for model in wanted:
+        say(f"{model}: loading it, starting its server")
         loaded = load(model)
         nb, sb = default_pool(max_model_len(loaded.model), BLOCK_SIZE)
         pool = {"block_size": BLOCK_SIZE, "num_blocks": nb, "swap_blocks": sb,
@@ -353,20 +376,29 @@ def main() -> None:
         with Server(model, pool, args.torch_threads) as srv:
             if model in models:
                 n, repeats = SIZES.get(model, (200, 1))
+                n, repeats = args.num_requests or n, args.repeats or repeats
+                say(f"{model} overhead: a warm-up, then {repeats} run(s) of {n} requests each way")
                 llm = LLM(loaded, verbose=False, **pool)
-                o = overhead(srv, llm, args.num_requests or n, args.repeats or repeats, args.seed)
+                o = overhead(srv, llm, n, repeats, args.seed)
                 del llm
                 print_overhead(model, o)
                 results["overhead"][model] = o
             if model == RATE_MODEL and "ttft" in parts:
+                n = args.rate_requests
+                say(f"{RATE_MODEL} TTFT: {n} requests at each of {len(rates)} rate(s)")
                 results["ttft"] = ttft_at_rates(srv, rates, args.rate_requests, args.seed)
                 print_ttft(results["ttft"], args.rate_requests)
             if model == RATE_MODEL and "rss" in parts:
                 pid = srv.proc.pid
+                say(
+                    f"{RATE_MODEL} memory: {args.rss_warmup} requests to warm up, then "
+                    f"{marks[-1]:,} (no estimate: serve_traffic.py reports at the end)"
+                )
                 results["rss"] = memory(
                     srv.url, srv.model, pid, marks, args.rss_warmup, args.concurrency
                 )
                 print_memory(results["rss"], RATE_MODEL, pid)
+    print(f"bench_serve: done in {seconds(time.monotonic() - started)}", file=sys.stderr)
     print(f"\nload average (1 min) at the end: {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
     if args.json:
         Path(args.json).write_text(json.dumps(_json_safe(results), indent=1, default=str))

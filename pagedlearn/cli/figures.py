@@ -263,20 +263,35 @@ def own_figures(quick: bool = False, log=None, draw: bool = True) -> tuple[dict,
     return figures, data
 
 
-def make_figures(directory="figures", paper: bool = True, quick: bool = False, out=print):
+def make_figures(directory="figures", paper: bool = True, quick: bool = False, out=None):
     """Write every figure into ``directory``, and the numbers each draws into its
-    ``data.json``; returns the PNG paths written."""
+    ``data.json``; returns the PNG paths written.
+
+    What is being done, and for how long, goes to stderr as it happens (the paper's part with
+    its estimates, :mod:`pagedlearn.progress`); ``out`` gets what was written (stdout, flushed).
+    """
+    import sys
+    import time
+    from functools import partial
+
+    from pagedlearn.progress import seconds
     from pagedlearn.sim import plots
 
-    directory = Path(directory)
-    out(f"serving the demo's mixed batch on {DEMO_MODEL} (recorded) and simulating reservation "
-        "vs paging on the same requests ...")  # fmt: skip
+    out = out or partial(print, flush=True)
+    note = partial(print, file=sys.stderr, flush=True)
+    directory, started = Path(directory), time.monotonic()
+    parts = 2 if paper else 1
+    note(f"figures 1/{parts}: serving the demo's mixed batch on {DEMO_MODEL} (recorded), "
+         "simulating reservation vs paging on the same requests, a lab's feedback")  # fmt: skip
     figures, data = own_figures(quick)
     paths = plots.save_all(figures, directory, data)
+    note(f"figures 1/{parts}: {len(paths)} figures in {seconds(time.monotonic() - started)}")
     if paper:
         from pagedlearn.sim.paper import report
 
-        out("recomputing the paper's memory figures (python -m pagedlearn paper) ...")
+        note("figures 2/2: the paper's figures (python -m pagedlearn paper, its progress "
+             f"below), {seconds(time.monotonic() - started)} so far")  # fmt: skip
         paths += report(quick=quick, out=lambda *_: None, figures_dir=directory)
-    out("wrote " + ", ".join(str(p) for p in paths) + f" and {directory / plots.DATA}")
+    out("wrote " + ", ".join(str(p) for p in paths) + f" and {directory / plots.DATA} in "
+        f"{seconds(time.monotonic() - started)}")  # fmt: skip
     return paths

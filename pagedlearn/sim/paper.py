@@ -7,8 +7,10 @@ table (a list of dicts, one per row) with the paper's number beside ours.
 """
 
 import os
+import time
 from functools import lru_cache
 
+from pagedlearn.progress import Progress, seconds, write
 from pagedlearn.sim.simulator import ContiguousMemory, PagedMemory, simulate
 from pagedlearn.sim.workloads import paper_workload
 
@@ -214,52 +216,105 @@ def format_rows(rows, digits=1) -> str:
     return "\n".join(lines)
 
 
-def report(quick: bool = False, out=print, figures_dir=None) -> list:
+def report(quick: bool = False, out=None, figures_dir=None) -> list:
     """Run every experiment and print ours beside the paper's (``python -m pagedlearn paper``):
     the memory simulations, then Figures 19 and 12, measured on this machine's engine.
 
+    ``out``: where the tables go (default: stdout, flushed after each). Progress goes to stderr
+    whatever ``out`` is (:mod:`pagedlearn.progress`): four parts, each with its own estimate,
+    since their units of work (a simulated token, a simulated beam-search request, a timed copy,
+    a served request) cost different amounts.
     With ``figures_dir``, also write one PNG per experiment there; returns their paths.
     """
+    from pagedlearn.sim import prefix, serving_latency, sharing, swap_recompute
+
+    out = out or write  # stdout, flushed, clear of the progress bars on a terminal
     n = {"sharegpt": 300, "alpaca": 800} if quick else NUM_REQUESTS
-    out(f"OPT-13B KV pool: 12 GiB / {BYTES_PER_TOKEN:,} bytes per token = {POOL_SLOTS:,} slots")
-    fig2 = figure2("sharegpt", n["sharegpt"])
-    out("\nFigure 2 -- % of the KV pool, ShareGPT-like, saturated (paper_* = Kwon et al.)")
-    out(format_rows(fig2))
-    fig13, fig18b = {}, {}
-    for workload in ("sharegpt", "alpaca"):
-        fig13[workload] = figure13(workload, n[workload])
-        out(f"\nFigure 13 -- average batched requests, {workload}-like, saturated")
-        out(format_rows(fig13[workload], digits=2))
     spreads = (0.5, 1.0, 1.5) if quick else (0.5, 0.75, 1.0, 1.25, 1.5)
-    sensitivity = spread_sensitivity("sharegpt", spreads, num_requests=n["sharegpt"])
-    rate_rows = rate_sensitivity("alpaca", 30.0, num_requests=n["alpaca"])
-    out("\nFigure 13 at 30 req/s (Alpaca-like) for assumed step times, instead of saturated")
-    out(format_rows(rate_rows, digits=2))
-    out("\nSensitivity -- Figure 13 (ShareGPT-like) as the length spread varies (1.0 = ours)")
-    keep = ("spread", "system", "mean_batch")
-    out(format_rows([{k: r[k] for k in keep} for r in sensitivity], 2))
-    for workload in ("sharegpt", "alpaca"):
-        fig18b[workload] = figure18b(workload, num_requests=n[workload])
-        out(f"\nFigure 18b (memory side) -- paging vs block size, {workload}-like")
-        out(format_rows(fig18b[workload]))
-    from pagedlearn.sim import sharing
-
     per_request = 60 if quick else 300
-    fig15 = sharing.figure15(num_requests=per_request)
-    out(f"\nFigure 15 -- % memory saved by sharing (beam divergence {sharing.DIVERGENCE})")
-    out(format_rows(fig15))
-    sweep = sharing.divergence_sweep("alpaca", 4, num_requests=per_request)
-    out("\nBeam model sensitivity -- Alpaca-like, width 4, vs divergence (our choice: 0.1)")
-    out(format_rows(sweep, digits=2))
-    from pagedlearn.sim import prefix
+    started = time.monotonic()
+    # The work of parts 1 and 2, to estimate what is left. Part 1 counts tokens (prompt + output)
+    # of the requests simulated anew: a ShareGPT-like request is ~6x an Alpaca-like one, and costs
+    # about that much more. run() is cached: Figure 13 (ShareGPT) is Figure 2's runs, spread 1.0
+    # and Figure 18b's block 16 are Figure 13's. Rate: 3 step times; 18b: 9 block sizes. Part 2
+    # counts requests: Figure 15, 2 workloads x 2 modes x 3 widths; beams, 5 divergences;
+    # prefix.experiment, 3 streams x 3 runs.
+    tokens = {w: sum(r.prompt_len + r.output_len for r in paper_workload(w, n[w])) for w in n}
+    sg, al, ways = tokens["sharegpt"], tokens["alpaca"], len(SYSTEMS)
+    work = {
+        "Figure 2": ways * sg, "Figure 13, sharegpt": 0, "Figure 13, alpaca": ways * al,
+        "Figure 13 at 30 req/s": 3 * ways * al,
+        "spread sensitivity": (len(spreads) - 1) * ways * sg,
+        "Figure 18b, sharegpt": 8 * sg, "Figure 18b, alpaca": 8 * al,
+        "Figure 15": 12 * per_request, "beam sensitivity": 5 * per_request,
+        "prefix caching": 3 * (2 * (300 if quick else 600) + 120),
+    }  # fmt: skip
+    part2 = ("Figure 15", "beam sensitivity", "prefix caching")
+    total = sum(work.values()) - sum(work[k] for k in part2)
+    part = Progress("paper 1/4 memory simulations", total, "tokens")
 
-    caching = prefix.experiment(quick)
-    out("\nPrefix caching -- hit rate, memory saved by sharing, batch (not in the paper)")
-    out(format_rows(caching))
-    from pagedlearn.sim import swap_recompute
+    def section(name, rows, heading, digits=1):  # a table, and its part of the progress
+        out(heading)
+        out(format_rows(rows, digits))
+        part.update(work[name], f"{name} done")
+        return rows
 
-    fig19 = swap_recompute.figure19(quick)
+    out(f"OPT-13B KV pool: 12 GiB / {BYTES_PER_TOKEN:,} bytes per token = {POOL_SLOTS:,} slots")
+    fig2 = section(
+        "Figure 2",
+        figure2("sharegpt", n["sharegpt"]),
+        "\nFigure 2 -- % of the KV pool, ShareGPT-like, saturated (paper_* = Kwon et al.)",
+    )
+    fig13 = {
+        w: section(
+            f"Figure 13, {w}",
+            figure13(w, n[w]),
+            f"\nFigure 13 -- average batched requests, {w}-like, saturated",
+            2,
+        )
+        for w in ("sharegpt", "alpaca")
+    }
+    section(
+        "Figure 13 at 30 req/s",
+        rate_sensitivity("alpaca", 30.0, num_requests=n["alpaca"]),
+        "\nFigure 13 at 30 req/s (Alpaca-like) for assumed step times, instead of saturated",
+        2,
+    )
+    sensitivity = spread_sensitivity("sharegpt", spreads, num_requests=n["sharegpt"])
+    keep = ("spread", "system", "mean_batch")
+    section(
+        "spread sensitivity",
+        [{k: r[k] for k in keep} for r in sensitivity],
+        "\nSensitivity -- Figure 13 (ShareGPT-like) as the length spread varies (1.0 = ours)",
+        2,
+    )
+    fig18b = {w: section(f"Figure 18b, {w}", figure18b(w, num_requests=n[w]),
+                         f"\nFigure 18b (memory side) -- paging vs block size, {w}-like")
+              for w in ("sharegpt", "alpaca")}  # fmt: skip
+    part.close()
+    part = Progress("paper 2/4 sharing simulations", sum(work[k] for k in part2), "requests")
+    fig15 = section(
+        "Figure 15",
+        sharing.figure15(num_requests=per_request),
+        f"\nFigure 15 -- % memory saved by sharing (beam divergence {sharing.DIVERGENCE})",
+    )
+    section(
+        "beam sensitivity",
+        sharing.divergence_sweep("alpaca", 4, num_requests=per_request),
+        "\nBeam model sensitivity -- Alpaca-like, width 4, vs divergence (our choice: 0.1)",
+        2,
+    )
+    caching = section("prefix caching", prefix.experiment(quick),
+                      "\nPrefix caching -- hit rate, memory saved by sharing, batch (not in the "
+                      "paper)")  # fmt: skip
+    part.close()
+
     model = "tiny-gpt2" if quick else swap_recompute.GPT2_SIZE_RANDOM
+    timed = Progress("paper 3/4 Figure 19", 1, "timed calls", every=10)
+    timed.note(f"paper 3/4: Figure 19, swap vs recompute on {model} (a warm-up, then the timed "
+               f"calls), {seconds(time.monotonic() - started)} so far")  # fmt: skip
+    fig19 = swap_recompute.figure19(quick, progress=timed.set)
+    timed.close()
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     out(
         f"\nFigure 19 -- swap vs recompute of {swap_recompute.NUM_TOKENS} tokens of {model}, "
@@ -273,14 +328,18 @@ def report(quick: bool = False, out=print, figures_dir=None) -> list:
         "reading a shape into that point)")  # fmt: skip
     out(format_rows(swap_recompute.spread_rows(fig19), digits=0))
     out(swap_recompute.PAPER_FIG19)
-    from pagedlearn.sim import serving_latency
 
-    fig12, fig12_summary = serving_latency.figure12(quick)
+    served = Progress("paper 4/4 Figure 12", 1, "requests served", every=10)
+    served.note(f"paper 4/4: Figure 12, latency vs request rate, "
+                f"{seconds(time.monotonic() - started)} so far")  # fmt: skip
+    fig12, fig12_summary = serving_latency.figure12(quick, progress=served.set)
+    served.close()
     out(f"\nFigure 12 -- normalized latency vs request rate, measured on this machine "
         f"({serving_latency.describe(fig12_summary)})")  # fmt: skip
     out(format_rows(serving_latency.display_rows(fig12), digits=2))
     out(serving_latency.verdict(fig12_summary))
     out(serving_latency.PAPER_FIG12)
+    served.note(f"paper: every experiment done in {seconds(time.monotonic() - started)}")
     if figures_dir is None:
         return []
     from pagedlearn.sim import plots

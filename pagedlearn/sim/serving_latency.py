@@ -204,6 +204,7 @@ def measure(
     seed: int = 0,
     device: str = "cpu",
     step_seconds: float | None = None,
+    progress=None,
 ) -> tuple[list[dict], dict]:
     """Sweep the rate for both systems on one KV budget; returns (rows, summary).
 
@@ -215,6 +216,9 @@ def measure(
     saturated rate (req/s), the target latency (s/token), each system's sustainable rate, their
     ratio (None where undefined), and whether each system's latency passed the target at all
     (if not, its sustainable rate is only a lower bound: the highest rate swept).
+    ``progress``: called as ``progress(requests served, requests in all)`` after the warm-up (0
+    served), then after each run (the calibration's, then each sweep point's; "in all" shrinks
+    when a sweep stops early).
     """
     if not fractions or list(fractions) != sorted(fractions) or fractions[0] <= 0:
         raise ValueError(f"fractions must be positive and ascending, got {fractions!r}")
@@ -231,23 +235,36 @@ def measure(
                    enable_prefix_caching=False, max_num_seqs=len(stream) + 1,
                    kv_reservation=system, verbose=False)  # fmt: skip
 
-    def run(system, fraction):  # the requests that arrive within the trace's duration
-        cut = [s for s in stream if s[0] <= fraction * num_requests]
-        return serve(engine(system), cut, fraction * capacity, max_len, step_seconds)
+    def cut(fraction):  # the requests that arrive within the trace's duration
+        return [s for s in stream if s[0] <= fraction * num_requests]
 
+    def run(system, fraction):
+        requests = cut(fraction)
+        result = serve(engine(system), requests, fraction * capacity, max_len, step_seconds)
+        served[0] += len(requests)
+        tick(*served)
+        return result
+
+    tick = progress or (lambda done, total: None)
+    served = [0, num_requests + len(SYSTEMS) * sum(len(cut(f)) for f in fractions)]  # done, all
     runs = []
     with _one_torch_thread(torch.device(device)):
         warm = engine("paged")  # first steps pay for torch's lazy set-up: not measured
         warm.generate([stream[0][1]] * 2, SamplingParams(max_tokens=8), use_tqdm=False)
+        tick(*served)
         saturated = serve(engine("paged"), stream[:num_requests], None, max_len, step_seconds)
         capacity = num_requests / max(saturated.finish)
+        served[0] = num_requests
+        tick(*served)
         for system in SYSTEMS:  # the lowest rate of both first: it sets the target latency
             runs.append(run(system, fractions[0]))
         target = KNEE * min(r.normalized_latency for r in runs)
         for system in SYSTEMS:
             above = 0
-            for fraction in fractions[1:]:
+            for i, fraction in enumerate(fractions[1:], 1):
                 if above == STOP_AFTER:  # exploded: higher rates only queue longer
+                    served[1] -= sum(len(cut(f)) for f in fractions[i:])
+                    tick(*served)
                     break
                 runs.append(run(system, fraction))
                 above += runs[-1].normalized_latency > target
@@ -303,12 +320,12 @@ def verdict(summary) -> str:
             f"{rate['max']}; paged / max = {ratio}")  # fmt: skip
 
 
-def figure12(quick: bool = False, device: str = "cpu") -> tuple[list[dict], dict]:
+def figure12(quick: bool = False, device: str = "cpu", progress=None) -> tuple[list[dict], dict]:
     """Figure 12 on this machine: context 128, a KV budget of 4 max-length sequences. Quick:
     ``tiny-gpt2``, traces of 80 requests at the saturated rate, 9 rates (a few seconds on a
     CPU). Full: traces of 300, 16 rates (``tiny-gpt2`` on a CPU, about half a minute; on a GPU,
-    ``gpt2-size-random``, GPT-2 small's size)."""
+    ``gpt2-size-random``, GPT-2 small's size). ``progress``: as :func:`measure`'s."""
     if quick:
-        return measure("tiny-gpt2", 80, 128, QUICK_FRACTIONS, device=device)
+        return measure("tiny-gpt2", 80, 128, QUICK_FRACTIONS, device=device, progress=progress)
     model = GPT2_SIZE_RANDOM if device != "cpu" else "tiny-gpt2"
-    return measure(model, 300, 128, FULL_FRACTIONS, device=device)
+    return measure(model, 300, 128, FULL_FRACTIONS, device=device, progress=progress)

@@ -163,6 +163,7 @@ def measure(
     repeats=5,
     device="cpu",
     seed=0,
+    progress=None,
 ) -> list[dict]:
     """Time swap out / in (batched, and one copy per block) and recompute per block size.
 
@@ -171,7 +172,9 @@ def measure(
     ``repeats`` timed calls and ``recompute_over_swap`` = recompute / (swap out + swap in),
     batched) and :data:`SPREADS`. Every call is made once untimed first, then the rounds time
     every (block size, column) pair once each, in an order shuffled by ``seed`` (module
-    docstring: the same conditions for every block size).
+    docstring: the same conditions for every block size). ``progress``: called as
+    ``progress(timed calls done, timed calls in all)`` once the warm-up is over (0 done) and after
+    each timed call (between the calls, so that its own time is never billed to one).
     """
     _check(block_sizes, num_tokens, repeats)
     loaded = load(model)
@@ -196,6 +199,8 @@ def measure(
     for fn in calls.values():  # warm-up, in the same order for every block size
         fn()
     sync()
+    tick, done = progress or (lambda done, total: None), 0
+    tick(done, repeats * len(calls))
     times = {key: [] for key in calls}
     order, rng = list(calls), random.Random(seed)
     for _ in range(repeats):
@@ -206,6 +211,8 @@ def measure(
             calls[key]()
             sync()  # ... and for this call's own asynchronous work
             times[key].append(1e3 * (time.perf_counter() - t0))
+            done += 1
+            tick(done, repeats * len(calls))
     rows = []
     for row in layout(block_sizes, num_tokens, kv_cache_spec(loaded.model).bytes_per_token):
         bs = row["block_size"]
@@ -226,13 +233,14 @@ def spread_rows(rows) -> list[dict]:
     return [{"block_size": r["block_size"], **{k: r[k] for k in SPREADS}} for r in rows]
 
 
-def figure19(quick: bool = False) -> list[dict]:
+def figure19(quick: bool = False, progress=None) -> list[dict]:
     """Figure 19a on this machine: ``tiny-gpt2``, 4 block sizes, 3 repeats when ``quick``; else
     ``gpt2-size-random`` (GPT-2 small's size), every block size 1..256, 5 repeats. 512 tokens.
-    The paper's findings, for a table's notes: :data:`PAPER_FIG19`."""
+    The paper's findings, for a table's notes: :data:`PAPER_FIG19`. ``progress``: as
+    :func:`measure`'s."""
     if quick:
-        return measure((1, 4, 16, 64), NUM_TOKENS, "tiny-gpt2", repeats=3)
-    return measure(BLOCK_SIZES, NUM_TOKENS, GPT2_SIZE_RANDOM, repeats=5)
+        return measure((1, 4, 16, 64), NUM_TOKENS, "tiny-gpt2", repeats=3, progress=progress)
+    return measure(BLOCK_SIZES, NUM_TOKENS, GPT2_SIZE_RANDOM, repeats=5, progress=progress)
 
 
 def plot_figure19(rows, title=None) -> Figure:
