@@ -1,5 +1,5 @@
 """Command line: ``python -m pagedlearn {demo, blocks, check-env, paper, figures, labs, grade,
-loadtest, serve}``.
+loadtest, serve, kv-events}``.
 
 Options are checked before any work starts (no model loaded, nothing simulated): a bad number, an
 unknown option, an output directory that cannot be created or written ends at once with the
@@ -290,6 +290,15 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
             "/v1/models, /health, /metrics) over the paged engine; Ctrl-C stops it",
         )
     )
+    from pagedlearn.cli.kv_events import add_arguments as add_kv_events_arguments
+
+    add_kv_events_arguments(
+        command(
+            "kv-events",
+            "watch a server's prefix cache through its KV-cache events (vLLM's stream, or serve "
+            "--kv-events-endpoint): a live summary, a recording read back, the prefix tree",
+        )
+    )
     return parser, parsers
 
 
@@ -401,6 +410,10 @@ def main(argv: list[str] | None = None) -> int:
         return serve_cli(args)
     if args.command == "loadtest":
         return _loadtest(args, own)
+    if args.command == "kv-events":
+        from pagedlearn.cli.kv_events import cli as kv_events_cli
+
+        return kv_events_cli(args, own)
     if args.command in ("demo", "blocks"):
         from pagedlearn.cli.demo import OptionError
         from pagedlearn.errors import PagedLearnError

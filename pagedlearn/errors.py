@@ -65,6 +65,15 @@ class TraceFileError(PagedLearnError, ValueError):
     """
 
 
+class KVEventsError(PagedLearnError, ValueError):
+    """A KV-cache event stream (vLLM's ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared``
+    over ZeroMQ, pagedlearn/kv_events/) that cannot be used: a payload that is not msgpack, an
+    event type we do not know (named), a field of the wrong type (with its path), a message over
+    the size caps of kv_events/messages.py, a recording that is not one; or a socket that
+    cannot be opened, or the ``[kv-events]`` extra (pyzmq, msgspec) not installed. A stream is
+    untrusted input: a subscriber counts these and carries on."""
+
+
 def add_note(exc: BaseException, text: str) -> None:
     """Attach ``text`` to ``exc`` (PEP 678): the traceback prints it under the error. Python
     3.10 has no ``add_note``; there the note still goes in ``exc.__notes__``, where code and

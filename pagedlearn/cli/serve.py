@@ -58,6 +58,35 @@ def add_arguments(parser) -> None:
         "swap, else none)",
     )  # fmt: skip
     add_limit_options(parser)
+    add_kv_events_options(parser)
+
+
+def add_kv_events_options(parser) -> None:
+    """Publishing the engine's KV-cache events in vLLM's format (kv_events/publisher.py)."""
+    group = parser.add_argument_group(
+        "KV-cache events", "publish every block the prefix cache stores or evicts in vLLM's "
+        "format (BlockStored / BlockRemoved / AllBlocksCleared, msgpack over ZeroMQ), for "
+        "`python -m pagedlearn kv-events` or any tool written for vLLM's stream; needs the "
+        '[kv-events] extra: pip install -e ".[kv-events]"',
+    )  # fmt: skip
+    group.add_argument(
+        "--kv-events-endpoint", default=None, metavar="ENDPOINT",
+        help="ZeroMQ address of the PUB socket, e.g. tcp://*:5557 (vLLM's default); a wildcard "
+        "(*), :: or ipc:// address is bound and subscribers connect to it, any other address "
+        "is connected to (the subscriber binds it), as vLLM does (default: no events)",
+    )  # fmt: skip
+    group.add_argument(
+        "--kv-events-replay-endpoint", default=None, metavar="ENDPOINT",
+        help="ZeroMQ address (bound) of the replay socket: a subscriber that missed batches asks "
+        "it for every batch from a sequence number on, e.g. tcp://*:5558 (default: none)",
+    )  # fmt: skip
+    group.add_argument(
+        "--kv-events-topic",
+        default=None,
+        metavar="TOPIC",
+        help="the topic frame of every message; a subscriber filters on its prefix (default: "
+        "empty)",
+    )
 
 
 def add_limit_options(parser) -> None:
@@ -132,6 +161,9 @@ def cli(args) -> int:
             header_timeout=args.header_timeout,
             body_timeout=args.body_timeout,
             max_connections=args.max_connections,
+            kv_events_endpoint=args.kv_events_endpoint,
+            kv_events_replay_endpoint=args.kv_events_replay_endpoint,
+            kv_events_topic=args.kv_events_topic or "",
         )
     except OptionError as e:  # a usage error, reported with serve's usage, as the demo does
         from pagedlearn.__main__ import build_parser
@@ -149,6 +181,10 @@ def cli(args) -> int:
         f"-d '{body}'",
         flush=True,  # a log file or a pipe sees where it listens now, not at exit
     )
+    if srv.kv_events is not None:
+        pub = srv.kv_events
+        replay = f" (replay: {pub.replay_endpoint})" if pub.replay_endpoint else ""
+        print(f"  KV-cache events: {pub.endpoint}{replay}", flush=True)
     on_main = threading.current_thread() is threading.main_thread()  # (signals: there only)
     previous = signal.signal(signal.SIGTERM, _interrupt) if on_main else None
     try:

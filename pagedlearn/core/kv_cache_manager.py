@@ -319,4 +319,4 @@ class KVCacheManager(KVCacheQueries):
             if insert(hashes[j], block, parent, block_tokens, extra):
                 self.allocator.mark_cached(block)
                 if listening:
-                    self._events.cache_store(seq_id, block, hashes[j], block_tokens)
+                    self._events.cache_store(seq_id, block, hashes[j], block_tokens, parent)

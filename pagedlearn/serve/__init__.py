@@ -83,13 +83,14 @@ class ServerHandle:
 
     def __init__(
         self, llm, loop, server, thread, url: str, model_name: str, max_model_len: int,
-        owns_llm: bool = False,
+        owns_llm: bool = False, kv_events=None,
     ) -> None:  # fmt: skip
         self.llm, self.engine, self.model_name = llm, llm.engine, model_name
         self.max_model_len = max_model_len
         self.url, self.base_url = url, url + "/v1"
         self._loop, self._server, self._thread = loop, server, thread
         self._owns_llm = owns_llm  # built by serve(): its tensor-parallel workers stop with it
+        self.kv_events = kv_events  # the KV-event publisher (kv_events/publisher.py), or None
         self._stopped = False
 
     def call(self, fn, timeout: float = 30.0):
@@ -111,6 +112,8 @@ class ServerHandle:
         self._server.should_exit = True  # uvicorn: stop accepting, finish what is in flight
         self._loop.stop(timeout)  # aborts every request: the streams end with an error
         self._thread.join(timeout)
+        if self.kv_events is not None:  # after the engine's last step: its batch goes out
+            self.kv_events.close()
         if self._owns_llm:
             self.llm.shutdown()  # an LLM the caller built is the caller's to shut down
 
@@ -137,6 +140,9 @@ def serve(
     header_timeout: float = HEADER_TIMEOUT,
     body_timeout: float = BODY_TIMEOUT,
     max_connections: int | None = None,
+    kv_events_endpoint: str | None = None,
+    kv_events_replay_endpoint: str | None = None,
+    kv_events_topic: str = "",
     **llm_kwargs,
 ) -> ServerHandle:
     """Start serving ``model`` (a name :class:`~pagedlearn.LLM` loads, with ``llm_kwargs``; or an
@@ -152,8 +158,19 @@ def serve(
     ``max_header_bytes`` (request line and headers), ``max_headers`` (how many),
     ``header_timeout`` and ``body_timeout`` (seconds), ``max_connections`` (None: 1024, or
     fewer below ``ulimit -n``). A limit that is not a positive number raises
-    ``limits.LimitError`` before anything starts."""
+    ``limits.LimitError`` before anything starts.
+
+    ``kv_events_endpoint``: publish the engine's KV-cache events there in vLLM's format
+    (``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared`` over ZeroMQ; a wildcard address
+    such as ``tcp://*:5557`` is bound, any other connected to, as vLLM does), with a replay
+    socket at ``kv_events_replay_endpoint`` if given (kv_events/publisher.py); the publisher is
+    ``srv.kv_events``. Needs the ``[kv-events]`` extra."""
     _require()
+    if kv_events_endpoint is not None:  # a missing extra fails before a model is loaded
+        from pagedlearn.kv_events import import_extra
+
+        for name in ("zmq", "msgspec"):
+            import_extra(name)
     import uvicorn
 
     from pagedlearn.engine.llm import LLM
@@ -174,12 +191,18 @@ def serve(
     sock = _bind(host, port)  # first: a port in use fails before a model is loaded
     if warning := exposure_warning(host, api_key, sock.getsockname()[1]):
         print(warning, file=sys.stderr, flush=True)
-    loop = llm = None
+    loop = llm = publisher = None
     owns = not isinstance(model, LLM)
     try:
         llm = model if not owns else _load(model, llm_kwargs)
         name = served_model_name or str(llm.model_name)
         context = _served_context(llm, verbose=llm_kwargs.get("verbose", True))
+        if kv_events_endpoint is not None:  # subscribed before the engine thread steps
+            from pagedlearn.kv_events.publisher import publish_kv_events
+
+            publisher = publish_kv_events(
+                llm, kv_events_endpoint, kv_events_replay_endpoint, topic=kv_events_topic
+            )
         loop = EngineLoop(llm.engine).start()
         app = build_app(loop, name, context, api_key)
         config = uvicorn.Config(
@@ -200,12 +223,16 @@ def serve(
     except BaseException:
         if loop is not None:
             loop.stop()
+        if publisher is not None:
+            publisher.close()
         if owns and llm is not None:
             llm.shutdown()
         sock.close()
         raise
     bound = sock.getsockname()[1]
-    return ServerHandle(llm, loop, server, thread, _url(host, bound), name, context, owns)
+    return ServerHandle(
+        llm, loop, server, thread, _url(host, bound), name, context, owns, publisher
+    )
 
 
 def _load(model, llm_kwargs: dict):

@@ -71,15 +71,24 @@ class BlockEvents:
         self.trace.emit("window_free", blocks, (self.id(seq_id),), first=first)
 
     def cache_store(
-        self, seq_id: Hashable, block: int, block_hash: bytes, tokens: Sequence[int]
+        self,
+        seq_id: Hashable,
+        block: int,
+        block_hash: bytes,
+        tokens: Sequence[int],
+        parent: bytes | None = None,
     ) -> None:
+        """``parent``: the hash the block chains on (``info["parent"]``, for the KV-cache event
+        stream, kv_events/publisher.py; traces recorded before it have no such key)."""
         if self.trace.listening:  # skip the hex string and token list when nobody reads them
+            more = {} if parent is None else {"parent": parent.hex()}
             self.trace.emit(
                 "cache_store",
                 (block,),
                 (self.id(seq_id),),
                 hash=block_hash.hex(),
                 tokens=list(tokens),
+                **more,
             )
 
     def evict(self, seq_id: Hashable, block: int, block_hash: bytes) -> None:

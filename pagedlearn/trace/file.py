@@ -173,6 +173,8 @@ def _event_fields(d, expected: int | None, meta: dict) -> tuple:
         check_int(info["prefix"], "info.prefix")
     if kind == "cache_store":
         check_string(info.get("hash"), "info.hash")
+        if "parent" in info:  # the hash it chains on (newer traces)
+            check_string(info["parent"], "info.parent")
         if "tokens" in info:
             check_tokens(info["tokens"], "info.tokens", meta["block_size"])
     elif kind == "evict" and "hash" in info:

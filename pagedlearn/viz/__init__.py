@@ -10,6 +10,10 @@ over steps), ``fragmentation`` (reservation vs paging, the paper's Figure 2), ``
 ``view`` (the text panels and the widget layout both dashboards share), ``live`` (the ipywidgets
 dashboard that follows a running engine), ``replay`` (the view that scrubs through a recorded
 run) and ``workers`` (tensor parallelism: the driver's one block table over each worker's slab).
+Then the pictures of a KV-cache event stream (vLLM's, or pagedlearn's own: kv_events/), which
+sees hashes, not physical blocks: ``prefix_tree`` (the cached blocks as a tree of shared
+prefixes), ``kv_events_timeline`` (blocks stored / removed per batch, the cache's size) and
+``kv_events_live`` (the ipywidgets view that follows a subscriber).
 
 A model with sliding-window layers (Mistral: all of them; Gemma 3: with full ones), whose
 coordinator keeps its layers' KV-cache groups over one pool, is drawn by the same code: a table
@@ -44,6 +48,10 @@ _NAMES = {
     "read_slabs": "workers",
     "LiveBlockView": "live",
     "ReplayView": "replay",
+    "draw_prefix_tree": "prefix_tree",
+    "draw_kv_events_timeline": "kv_events_timeline",
+    "timeline_points": "kv_events_timeline",
+    "KVEventsLiveView": "kv_events_live",
 }
 
 __all__ = sorted(_NAMES)
