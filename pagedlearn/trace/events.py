@@ -26,7 +26,9 @@ kind             blocks               seqs    what happened
                                               each; s's entries ``info["first"]...`` are now
                                               null (-1); s's table keeps its length
 ``cache_store``  (b,)                 (s,)    s's full block b registered: ``info["hash"]``,
-                                              its tokens ``info["tokens"]``
+                                              its tokens ``info["tokens"]``, the hash it
+                                              chains on ``info["parent"]`` (newer traces;
+                                              the KV-cache events need it: kv_events/)
 ``evict``        (b,)                 (s,)    cached block b taken for s's new data; hash gone
                                               (``info["reason"]``: dropped, not taken -- its KV
                                               may never have been written; recovery.py)
