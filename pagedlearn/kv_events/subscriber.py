@@ -30,7 +30,10 @@ bound, any other connected to; ``bind=`` overrides it.
   and a dead one look the same: the message says both).
 * a flood: at most ``max_queue`` batches (and ``max_queued_bytes`` of their payloads) wait for
   the reader; more are dropped (``dropped``). ZeroMQ itself holds at most ``rcvhwm`` messages of
-  at most ``max_bytes`` (a bigger one disconnects its sender). Memory stays bounded by those.
+  at most ``max_bytes`` (a bigger one disconnects its sender). Memory stays bounded by those:
+  by default 256 x 4 MiB in ZeroMQ's queue and 256 MiB in ours, about 1.3 GiB at the very
+  worst. A real batch is far smaller: one engine step's events, a few hundred bytes per block
+  stored (a 32k-token prompt's ``BlockStored`` is about 117 KB).
 
 ``record=`` a path (or a recording.Recorder) saves every batch delivered (live or replayed, in
 sequence order, malformed ones too), raw, with the time it came: recording.py reads it back.
@@ -46,7 +49,7 @@ from typing import Any
 
 from pagedlearn.errors import KVEventsError
 from pagedlearn.kv_events import import_extra
-from pagedlearn.kv_events.messages import MAX_PAYLOAD_BYTES, KVEventBatch, decode_batch
+from pagedlearn.kv_events.messages import KVEventBatch, decode_batch
 from pagedlearn.kv_events.publisher import binds
 
 Callback = Callable[[int, KVEventBatch], Any]
@@ -70,8 +73,8 @@ class KVEventSubscriber:
         catch_up: bool = True,
         max_queue: int = 10_000,
         max_queued_bytes: int = 256 * 1024 * 1024,
-        max_bytes: int = MAX_PAYLOAD_BYTES,
-        rcvhwm: int = 1000,
+        max_bytes: int = 4 * 1024 * 1024,  # (messages.MAX_PAYLOAD_BYTES: 16 MiB, decode's cap)
+        rcvhwm: int = 256,
         replay_timeout: float = 1.0,
         silence_timeout: float = 10.0,
         keep_errors: int = 20,
