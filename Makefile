@@ -71,7 +71,7 @@ lab: $(STAMP)
 	$(BIN)/jupyter lab notebooks/ $(LAB_ROOT) $(LAB_HEADLESS) $(LAB_FLAGS)
 
 # After editing a chapter's .py (or .ipynb): bring its twin up to date, run it offline and store
-# what it prints and draws in the .ipynb, so that it reads without running (all twelve by default:
+# what it prints and draws in the .ipynb, so that it reads without running (all thirteen by default:
 # see the README's "How long things take"; `make notebooks CHAPTERS="05 07"` runs just those).
 # One torch thread, as the tests run them (tests/conftest.py): what is stored is what the check
 # reproduces (a float sum over two threads may round otherwise).

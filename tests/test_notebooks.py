@@ -30,8 +30,8 @@ def _cells(nb) -> list[tuple[str, str]]:
     return [(c.cell_type, c.source.strip()) for c in nb.cells]
 
 
-def test_there_are_twelve_chapters_each_a_pair():
-    assert [p.stem[:2] for p in CHAPTERS] == [f"{i:02d}" for i in range(1, 13)]
+def test_there_are_thirteen_chapters_each_a_pair():
+    assert [p.stem[:2] for p in CHAPTERS] == [f"{i:02d}" for i in range(1, 14)]
     ipynbs = sorted(p.stem for p in NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
     assert ipynbs == [p.stem for p in CHAPTERS], "every chapter needs both .py and .ipynb"
 

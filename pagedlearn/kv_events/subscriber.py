@@ -267,10 +267,15 @@ class KVEventSubscriber:
         self.last_message_time, self._last_mono = time.time(), time.monotonic()
         if self._recorder is not None:
             self._recorder.write(seq, payload)
-        self.last_seq = seq  # even if it does not decode: asking for it again would not help
         if seq == 0:
             self._seq0 = hash(payload)  # to tell a restarted publisher from a copy of seq 0
         self._counts["replayed"] += replayed
+        try:
+            self._decode_and_queue(seq, payload)
+        finally:  # set last: a reader who sees last_seq == seq finds the batch already queued
+            self.last_seq = seq  # even if it did not decode: asking again would not help
+
+    def _decode_and_queue(self, seq: int, payload: bytes) -> None:
         try:
             batch = decode_batch(payload, max_bytes=self.max_bytes)
         except KVEventsError as e:

@@ -204,7 +204,7 @@ def _legend(fig, ax, state, color_by, age, cmap, others, boxes) -> None:
     if color_by == "age":
         from matplotlib.cm import ScalarMappable
 
-        span = Normalize(0.0, (state.last_ts or 0.0) - (state.first_ts or 0.0) or 1e-9)
+        span = Normalize(0.0, (state.last_ts or 0.0) - (state.first_ts or 0.0) or 1.0)
         h = fig.get_figheight()  # the bar 0.66-0.8 in from the top, its ticks under it
         cax = fig.add_axes((0.66, 1 - 0.8 / h, 0.3, 0.14 / h))  # its label on its left
         fig.colorbar(ScalarMappable(span, cmap), cax=cax, orientation="horizontal")
