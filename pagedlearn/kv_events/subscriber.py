@@ -41,6 +41,7 @@ sequence order, malformed ones too), raw, with the time it came: recording.py re
 
 from __future__ import annotations
 
+import hashlib
 import threading
 import time
 from collections import deque
@@ -104,7 +105,7 @@ class KVEventSubscriber:
         self._counts = dict.fromkeys(_COUNTERS, 0)
         self._problems: deque[str] = deque(maxlen=keep_errors)  # the last errors and gaps, said
         self.last_seq: int | None = None
-        self._seq0: int | None = None
+        self._seq0: bytes | None = None  # the digest of batch 0's payload
         self.last_message_time: float | None = None  # time.time() of the last message
         self._last_mono: float | None = None
         self._started = time.monotonic()
@@ -217,7 +218,7 @@ class KVEventSubscriber:
             return self._malformed(f"a message is 3 frames (topic, 8-byte seq, payload); got "
                                    f"{len(frames)} of {sizes} bytes")  # fmt: skip
         seq, last = int.from_bytes(frames[1], "big"), self.last_seq
-        if last is not None and seq == 0 and last > 0 and hash(frames[2]) != self._seq0:
+        if last is not None and seq == 0 and last > 0 and _digest(frames[2]) != self._seq0:
             # A new publisher (the same one's seq 0 again is a live copy of a replayed batch).
             self._counts["restarts"] += 1
             self._problem(f"the publisher restarted (seq went from {last} back to 0)")
@@ -268,7 +269,7 @@ class KVEventSubscriber:
         if self._recorder is not None:
             self._recorder.write(seq, payload)
         if seq == 0:
-            self._seq0 = hash(payload)  # to tell a restarted publisher from a copy of seq 0
+            self._seq0 = _digest(payload)  # to tell a restarted publisher from a copy of seq 0
         self._counts["replayed"] += replayed
         try:
             self._decode_and_queue(seq, payload)
@@ -353,3 +354,9 @@ def _recorder(record, endpoint: str, topic: str):
     from pagedlearn.kv_events.recording import Recorder
 
     return Recorder(record, endpoint=endpoint, topic=topic)
+
+
+def _digest(payload: bytes) -> bytes:
+    """SHA-256 of a payload: a sender cannot make two differ and match, as it could with the
+    built-in ``hash()`` (core/prefix_cache.py says why the package never uses that)."""
+    return hashlib.sha256(payload).digest()
