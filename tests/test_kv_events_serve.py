@@ -50,3 +50,12 @@ def test_serve_help_documents_the_flags(capsys):
     for flag in ("--kv-events-endpoint", "--kv-events-replay-endpoint", "--kv-events-topic"):
         assert flag in out
     assert 'pip install -e ".[kv-events]"' in " ".join(out.split())
+
+
+def test_a_bad_events_address_fails_before_a_model_is_loaded(monkeypatch):
+    import pagedlearn.serve as serving
+    from pagedlearn.errors import KVEventsError
+
+    monkeypatch.setattr(serving, "_load", lambda *a: pytest.fail("the model was loaded"))
+    with pytest.raises(KVEventsError, match=r"an endpoint looks like tcp://HOST:PORT"):
+        serving.serve("tiny-gpt2", port=0, kv_events_endpoint="foo", verbose=False)

@@ -57,6 +57,19 @@ def binds(endpoint: str) -> bool:
     return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
 
 
+def socket_error(what: str, e: Exception) -> str:
+    """Why a socket could not be opened, in words; a malformed address says what one looks like.
+
+    >>> socket_error("the subscriber on foo", OSError("Invalid argument (addr='foo')"))
+    "cannot open the subscriber on foo: Invalid argument (addr='foo'); an endpoint looks like \
+tcp://HOST:PORT, tcp://*:PORT (bind every interface) or ipc:///PATH"
+    """
+    text = f"cannot open {what}: {e}"
+    if "Invalid argument" in str(e) or "Protocol not supported" in str(e):
+        text += "; an endpoint looks like tcp://HOST:PORT, tcp://*:PORT (bind every interface) or ipc:///PATH"
+    return text
+
+
 class KVEventPublisher:
     """A PUB socket (and optional replay ROUTER) sending :class:`KVEventBatch` es in vLLM's
     format, with its own thread. :meth:`publish` a batch yourself, or :meth:`attach` it to a
@@ -110,7 +123,7 @@ class KVEventPublisher:
                 self.replay_endpoint = _open(self._replay, replay_endpoint, True)
         except zmq.ZMQError as e:
             self._close_sockets(0)
-            raise KVEventsError(f"cannot open the KV-event sockets: {e}") from None
+            raise KVEventsError(socket_error("the KV-event sockets", e)) from None
         self._counts = dict.fromkeys(
             (
                 "accepted",

@@ -51,7 +51,7 @@ from typing import Any
 from pagedlearn.errors import KVEventsError
 from pagedlearn.kv_events import import_extra
 from pagedlearn.kv_events.messages import KVEventBatch, decode_batch
-from pagedlearn.kv_events.publisher import binds
+from pagedlearn.kv_events.publisher import binds, socket_error
 
 Callback = Callable[[int, KVEventBatch], Any]
 _COUNTERS = (
@@ -128,7 +128,7 @@ class KVEventSubscriber:
             self._dealer = self._new_dealer() if replay_endpoint is not None else None
         except zmq.ZMQError as e:
             self._close_sockets()
-            raise KVEventsError(f"cannot open the KV-event subscriber on {endpoint}: {e}") from None
+            raise KVEventsError(socket_error(f"the KV-event subscriber on {endpoint}", e)) from None
         self._stop = threading.Event()
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="pagedlearn-kv-sub", daemon=True)

@@ -194,15 +194,18 @@ def serve(
     loop = llm = publisher = None
     owns = not isinstance(model, LLM)
     try:
+        if kv_events_endpoint is not None:  # a bad address fails before a model is loaded
+            from pagedlearn.kv_events.publisher import KVEventPublisher
+
+            publisher = KVEventPublisher(
+                kv_events_endpoint, kv_events_replay_endpoint, topic=kv_events_topic
+            )
         llm = model if not owns else _load(model, llm_kwargs)
         name = served_model_name or str(llm.model_name)
         context = _served_context(llm, verbose=llm_kwargs.get("verbose", True))
-        if kv_events_endpoint is not None:  # subscribed before the engine thread steps
-            from pagedlearn.kv_events.publisher import publish_kv_events
-
-            publisher = publish_kv_events(
-                llm, kv_events_endpoint, kv_events_replay_endpoint, topic=kv_events_topic
-            )
+        if publisher is not None:  # subscribed before the engine thread steps
+            kv = llm.engine.kv
+            publisher.attach(kv.trace, kv.block_size, getattr(kv, "groups", None))
         loop = EngineLoop(llm.engine).start()
         app = build_app(loop, name, context, api_key)
         config = uvicorn.Config(
