@@ -36,7 +36,8 @@ small CPU more threads fight the client and each other).
 Times on a small shared CPU swing with what else runs: the script prints the load average at the
 start and the end, and every timed run. It prints what it measures and asserts nothing. While it
 runs, stderr says which part runs, the time so far, and after each run of parts 1 and 2 the time
-left, estimated from the rate of the part's requests so far (pagedlearn.progress).
+left, estimated from the rate of the part's requests so far (pagedlearn.progress); part 3 the
+same, from its counted requests (the warm-up's are not counted: they pay for one-off costs).
 
 Usage: python benchmarks/bench_serve.py [--models tiny-gpt2,gpt2-size-random] [--num-requests N]
        [--repeats R] [--rates 10,40] [--rate-requests 200] [--rss-requests 1000,10000]
@@ -392,11 +393,15 @@ def main() -> None:
                 pid = srv.proc.pid
                 say(
                     f"{RATE_MODEL} memory: {args.rss_warmup} requests to warm up, then "
-                    f"{marks[-1]:,} (no estimate: serve_traffic.py reports at the end)"
+                    f"{marks[-1]:,} (the estimate starts after the warm-up)"
                 )
+                label = f"bench_serve {RATE_MODEL} memory"
+                progress = Progress(label, marks[-1], "requests", every=5)
                 results["rss"] = memory(
-                    srv.url, srv.model, pid, marks, args.rss_warmup, args.concurrency
-                )
+                    srv.url, srv.model, pid, marks, args.rss_warmup, args.concurrency,
+                    progress=progress.set,
+                )  # fmt: skip
+                progress.close()
                 print_memory(results["rss"], RATE_MODEL, pid)
     print(f"bench_serve: done in {seconds(time.monotonic() - started)}", file=sys.stderr)
     print(f"\nload average (1 min) at the end: {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")

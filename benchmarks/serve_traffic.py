@@ -49,9 +49,11 @@ def rss_mib(pid: int) -> float:
     return int(re.search(r"^VmRSS:\s+(\d+) kB", status, re.M).group(1)) / 1024
 
 
-async def short_requests(url: str, model: str, first: int, last: int, concurrency: int) -> Counter:
+async def short_requests(
+    url: str, model: str, first: int, last: int, concurrency: int, answered=None
+) -> Counter:
     """Part 3's requests ``first .. last - 1``, ``concurrency`` at a time; counts of (kind,
-    verdict)."""
+    verdict). ``answered`` (or None): called with no argument after each answer."""
     counts: Counter = Counter()
     todo = iter(range(first, last))  # shared: each worker takes the next index
     async with httpx.AsyncClient(base_url=url, timeout=60.0) as client:
@@ -60,6 +62,8 @@ async def short_requests(url: str, model: str, first: int, last: int, concurrenc
             for i in todo:
                 kind, fine, status = await one_request(client, model, i)
                 counts[(kind, "ok" if fine else f"unexpected {status}")] += 1
+                if answered is not None:
+                    answered()
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
     return counts
@@ -97,18 +101,45 @@ async def one_request(client, model: str, i: int) -> tuple[str, bool, int]:
     )
 
 
-def memory(url: str, model: str, pid: int, marks: list[int], warmup: int, concurrency: int) -> dict:
+def memory(
+    url: str,
+    model: str,
+    pid: int,
+    marks: list[int],
+    warmup: int,
+    concurrency: int,
+    progress=None,
+) -> dict:
     """Part 3 against the server at ``url`` (process ``pid``, serving ``model``): RSS after the
-    warm-up and after each mark (requests counted after the warm-up)."""
-    send = lambda a, b: asyncio.run(short_requests(url, model, a, b, concurrency))  # noqa: E731
-    counts = send(0, warmup)  # the warm-up: requests 0 .. warmup - 1; then the counted ones
+    warm-up and after each mark (requests counted after the warm-up).
+
+    ``progress`` (or None): called as ``progress(done, total)`` -- requests counted so far, of
+    ``marks[-1]`` -- with 0 once the warm-up is over (the work to estimate starts then), after
+    each counted answer, and after each mark once its RSS is read. bench_serve.py passes
+    ``Progress.set``, which prints at most a line per ``every`` seconds."""
+    total, answered = marks[-1], 0
+
+    def one_more() -> None:  # after each counted answer (the workers share one event loop)
+        nonlocal answered
+        answered += 1
+        progress(answered, total)
+
+    def send(a: int, b: int, count: bool) -> Counter:
+        hook = one_more if count and progress is not None else None
+        return asyncio.run(short_requests(url, model, a, b, concurrency, hook))
+
+    counts = send(0, warmup, False)  # the warm-up: requests 0 .. warmup - 1; then the counted
     points, done = [{"requests": 0, "rss_mib": rss_mib(pid), "seconds": 0.0}], 0
+    if progress is not None:
+        progress(0, total)
     for mark in marks:
         t0 = time.perf_counter()
-        counts += send(warmup + done, warmup + mark)
+        counts += send(warmup + done, warmup + mark, True)
         points.append({"requests": mark, "rss_mib": rss_mib(pid),
                        "seconds": time.perf_counter() - t0})  # fmt: skip
         done = mark
+        if progress is not None:
+            progress(mark, total)
     first, last = points[1], points[-1]
     growth = (last["rss_mib"] - first["rss_mib"]) / ((last["requests"] - first["requests"]) / 1000)
 

@@ -19,6 +19,8 @@ are aborted and kept as *stuck* (``driver.stuck``), so that a request the schedu
 fails the run by name instead of hanging it. After a step that changed nothing (no token
 computed, no request preempted, finished or failed) the driver waits for the next arrival, if
 one is due, instead of spinning: only a new request can change what the scheduler decides.
+``progress`` (optional) hears of each request that ends, phase by phase, as the HTTP load
+test's does (the command prints it on stderr: a long phase is not silent).
 
 >>> from pagedlearn.loadtest.mix import build_mix
 >>> mix = build_mix(40, 0, 10.0, 512, 16, 64, 16)
@@ -73,8 +75,10 @@ class Driver:
     """Sends the specs, steps the engine, and keeps what the report reads: every request's
     final output (or why it has none), the per-step series, the invariant checks, the audit."""
 
-    def __init__(self, engine) -> None:
+    def __init__(self, engine, progress=None) -> None:
         self.engine = engine
+        # None, or progress(phase, done, total): a phase starts (0), one of its requests ended
+        self.progress, self._phase, self._ended = progress, None, 0
         self.specs: dict[str, RequestSpec] = {}
         self.tenant: dict[str, Hashable] = {}  # request id -> (salt, adapter, model version)
         self.arrival: dict[str, float] = {}  # request id -> scheduled arrival (perf_counter)
@@ -108,6 +112,9 @@ class Driver:
         before = engine.stats()
         bound = step_bound(specs)
         start, i, steps, max_steps = time.perf_counter(), 0, 0, bound
+        self._phase, self._ended = (phase, len(specs)), 0
+        if self.progress is not None:
+            self.progress(phase, 0, len(specs))
         while i < len(queue) or engine.has_unfinished_requests():
             now = time.perf_counter()
             while i < len(queue) and start + queue[i].arrival <= now:
@@ -127,6 +134,8 @@ class Driver:
                     time.sleep(max(0.0, start + queue[i].arrival - time.perf_counter()))
             elif i < len(queue):  # idle until the next arrival
                 time.sleep(max(0.0, start + queue[i].arrival - time.perf_counter()))
+        if self._ended < len(specs) and self.progress is not None:  # stuck ones ended too
+            self.progress(phase, len(specs), len(specs))
         after = engine.stats()
         self.phases[phase] = {
             "requests": len(specs),
@@ -227,6 +236,7 @@ class Driver:
             self.engine.add_request(rid, prompt, spec.params, lora_request=spec.adapter)
         except RequestRejectedError as e:
             self.rejected[rid] = str(e)
+            self._one_ended()
 
     def _step(self, phase: str) -> bool:
         """One engine step; False if it changed nothing the scheduler reads (no token, no
@@ -248,11 +258,22 @@ class Driver:
             rid, spec = out.request_id, self.specs.get(out.request_id)
             if out.finished:
                 self.final[rid] = out
+                if spec is not None:
+                    self._one_ended()
             elif spec and spec.cancel_after and len(out.outputs[0].token_ids) >= spec.cancel_after:
                 self.final[rid] = engine.abort_request(rid)  # mid-way: its blocks come back now
                 self.cancelled.add(rid)
                 self._check_invariants()
+                self._one_ended()
         return changed
+
+    def _one_ended(self) -> None:
+        """A request of the running phase ended (finished, cancelled, rejected): tell
+        ``progress``."""
+        self._ended += 1
+        if self.progress is not None:
+            (phase, total) = self._phase
+            self.progress(phase, self._ended, total)
 
     def _sample(self, phase: str, stats) -> None:
         s = self.series

@@ -64,11 +64,12 @@ import os
 import secrets
 import sys
 import time
+from collections import Counter
 
 from pagedlearn.errors import PagedLearnError
 from pagedlearn.loadtest.http_report import HTTPLoadTestReport, build_http_report
 from pagedlearn.loadtest.http_stream import error_message, new_record, request_body, send_request
-from pagedlearn.loadtest.in_process import LoadTestOptionError, check_options
+from pagedlearn.loadtest.in_process import LoadTestOptionError, check_options, phase_progress
 from pagedlearn.loadtest.mix import PHASES, build_mix, default_pool, min_context, too_short
 from pagedlearn.loadtest.server_metrics import delta, scrape
 
@@ -109,15 +110,19 @@ def run_http_loadtest(
     block_size: int | None = None,
     max_model_len: int | None = None,
     timeout: float = 60.0,
+    progress=None,
 ) -> HTTPLoadTestReport:
     """Send the load test's mix to the server at ``endpoint`` (``http://host:port``, a trailing
     ``/v1`` is fine) and return its report (``report.ok``: every correctness check passed).
 
     ``model``: None for the first ``GET /v1/models`` lists; ``max_model_len``: None for the
     model card's; ``block_size``: None for /metrics' ``cache_config_info``, else 16; ``timeout``:
-    seconds per request. Raises :class:`HTTPLoadTestError` when the server cannot be reached or
-    ``/v1/models`` is of no use, :class:`~pagedlearn.loadtest.in_process.LoadTestOptionError` for a
-    bad option (before sending anything)."""
+    seconds per request; ``progress``: None, or called as ``progress(phase, done, total)`` when
+    a phase starts (``done`` 0) and each time one of its ``total`` requests ends, however it
+    ended (the command passes :func:`phase_progress`: lines on stderr). Raises
+    :class:`HTTPLoadTestError` when the server cannot be reached or ``/v1/models`` is of no use,
+    :class:`~pagedlearn.loadtest.in_process.LoadTestOptionError` for a bad option (before sending
+    anything)."""
     root = root_url(endpoint)
     check_options(num_requests, rate, seed, 16 if block_size is None else block_size, None, None)
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < 1e6:
@@ -126,7 +131,12 @@ def run_http_loadtest(
         raise LoadTestOptionError(
             "max_model_len", f"max_model_len must be None or an int >= 1, got {max_model_len!r}"
         )
-    args = (root, api_key, model, num_requests, rate, seed, block_size, max_model_len, timeout)
+    if progress is not None and not callable(progress):
+        raise LoadTestOptionError(
+            "progress", f"progress must be None or progress(phase, done, total), got {progress!r}"
+        )
+    args = (root, api_key, model, num_requests, rate, seed, block_size, max_model_len, timeout,
+            progress)  # fmt: skip
     try:
         asyncio.get_running_loop()
     except RuntimeError:
@@ -174,7 +184,7 @@ async def model_card(client, root: str, model: str | None) -> dict:
 
 
 async def _run(
-    root, api_key, model, num_requests, rate, seed, block_size, max_model_len, timeout
+    root, api_key, model, num_requests, rate, seed, block_size, max_model_len, timeout, progress
 ) -> HTTPLoadTestReport:
     import httpx
 
@@ -213,7 +223,7 @@ async def _run(
                   "squeeze_requests": len(squeeze), "squeeze_tokens": max(
                       len(s.prompt_token_ids) + s.params.max_tokens for s in squeeze),
                   "timeout": timeout, "run_id": run_id}  # fmt: skip
-        run = _Run(client, specs, run_id, card["id"], timeout, first is not None)
+        run = _Run(client, specs, run_id, card["id"], timeout, first is not None, progress)
         bound = sum(max(s.arrival for s in specs if s.phase == p) for p in PHASES)
         bound += len(PHASES) * (timeout + 5.0)  # every request ends by its arrival + timeout
         poller = asyncio.create_task(run.poll()) if first else None
@@ -238,8 +248,10 @@ class _Run:
     """One run's state: the records (one dict per request, filled in as its stream goes), the
     phases' numbers, the /metrics samples."""
 
-    def __init__(self, client, specs, run_id, model, timeout, metrics: bool) -> None:
+    def __init__(self, client, specs, run_id, model, timeout, metrics: bool, progress=None):
         self.client, self.specs, self.timeout, self.metrics = client, specs, timeout, metrics
+        self.progress, self.ended = progress, 0  # the requests of this phase that ended
+        self.sizes = Counter(s.phase for s in specs)  # phase -> its requests
         self.salts = {s.request_id: salt_of(run_id, s.phase, s.salt, s.adapter) for s in specs}
         self.bodies = {
             s.request_id: request_body(s, model, self.salts[s.request_id]) for s in specs
@@ -257,6 +269,9 @@ class _Run:
             specs = [s for s in self.specs if s.phase == phase]
             before = await self.scrape()
             start = time.perf_counter()
+            self.ended = 0
+            if self.progress is not None:
+                self.progress(phase, 0, len(specs))
             await asyncio.gather(*(self.send(s, start) for s in specs))
             wall = time.perf_counter() - start
             after = await self.scrape()
@@ -276,6 +291,9 @@ class _Run:
         await send_request(
             self.client, spec, self.bodies[rid], self.records[rid], self.start, self.timeout
         )
+        self.ended += 1  # one event loop: no other task runs between these two lines
+        if self.progress is not None:
+            self.progress(spec.phase, self.ended, self.sizes[spec.phase])
 
     async def scrape(self) -> dict | None:
         m = await scrape(self.client) if self.metrics else None
@@ -329,6 +347,7 @@ def cli(args) -> int:
             seed=args.seed,
             max_model_len=getattr(args, "max_model_len", None),
             timeout=args.timeout,
+            progress=phase_progress(),
         )
     except HTTPLoadTestError as e:
         print(f"loadtest stopped: {e}", file=sys.stderr)

@@ -164,6 +164,7 @@ def run_loadtest(
     swap_blocks: int | None = None,
     prometheus: str | os.PathLike | None = None,
     verbose: bool = False,
+    progress=None,
 ) -> LoadTestReport:
     """Run the load test; returns its report (``report.ok``: every correctness check passed;
     ``report.complete``: every coverage check too).
@@ -174,12 +175,19 @@ def run_loadtest(
     and ``swap_blocks`` must stay at their defaults). Its prefix cache is reset during the run.
     ``rate``: requests per second of the Poisson arrivals (``float("inf")``: all at once).
     ``prometheus``: a file to write the engine's Prometheus page to after the run
-    (:func:`~pagedlearn.engine.prometheus.prometheus_text`); ``verbose``: a line per phase.
+    (:func:`~pagedlearn.engine.prometheus.prometheus_text`); ``verbose``: a line per phase;
+    ``progress``: None, or called as ``progress(phase, done, total)`` when a phase starts
+    (``done`` 0) and each time one of its ``total`` requests ends (the command passes
+    :func:`phase_progress`: lines on stderr).
     A bad option raises :class:`LoadTestOptionError` before any model loads (see
     :func:`preflight`).
     """
     args = (num_requests, rate, seed, block_size, num_blocks, swap_blocks, prometheus)
     preflight(llm_or_model, *args)
+    if progress is not None and not callable(progress):
+        raise LoadTestOptionError(
+            "progress", f"progress must be None or progress(phase, done, total), got {progress!r}"
+        )
     t_load = time.perf_counter()
     llm = _llm(llm_or_model, block_size, num_blocks, swap_blocks)
     engine = llm.engine
@@ -209,7 +217,7 @@ def run_loadtest(
         config["num_blocks"],
         max(config["swap_blocks"], 1),
     )
-    driver = Driver(engine)
+    driver = Driver(engine, progress)
     version_before = engine.model_version
     threads = torch.get_num_threads()
     # On a CPU, one torch thread (as sim/serving_latency.py times): the offline models' ops are
@@ -226,7 +234,8 @@ def run_loadtest(
             driver.run_phase(phase, [s for s in specs if s.phase == phase])
             if verbose:
                 p = driver.phases[phase]
-                print(f"  {phase:<8} {p['requests']:>4} requests in {p['wall_time']:.2f} s")
+                print(f"  {phase:<8} {p['requests']:>4} requests in {p['wall_time']:.2f} s",
+                      flush=True)  # fmt: skip
     finally:
         torch.set_num_threads(threads)
         driver.close()
@@ -271,6 +280,31 @@ def _llm(llm_or_model, block_size, num_blocks, swap_blocks):
     )
 
 
+def phase_progress(file=None, every: float = 5.0):
+    """A ``progress`` for :func:`run_loadtest` and the HTTP load test's ``run_http_loadtest``
+    that prints on stderr (``file``): a line as each phase starts (a phase whose requests all
+    run at once, as the squeeze does, may end none of them for minutes: the line says what is
+    running meanwhile), then its requests ended so far with the time they took and the time
+    left at that rate (:class:`~pagedlearn.progress.Progress`: a bar on a terminal, else a line
+    at most every ``every`` seconds, and one when the phase's last request ends)."""
+    from pagedlearn.progress import Progress
+
+    bars: dict[str, Progress] = {}
+
+    def progress(phase: str, done: int, total: int) -> None:
+        if done == 0:
+            for bar in bars.values():
+                bar.close()
+            bars.clear()
+            bars[phase] = Progress(f"loadtest {phase} phase", total, "requests", file, every)
+            bars[phase].note(f"loadtest: the {phase} phase starts: {total} requests")
+        bars[phase].set(done)
+        if done >= total:
+            bars.pop(phase).close()
+
+    return progress
+
+
 def cli(args) -> int:
     """``python -m pagedlearn loadtest`` once its options parsed: run, print the summary, write
     ``--json``; 0 if every correctness check passed (coverage misses print ``[--]`` and do not
@@ -292,6 +326,7 @@ def cli(args) -> int:
         swap_blocks=args.swap_blocks,
         prometheus=args.prometheus,
         verbose=True,
+        progress=phase_progress(),
     )
     print(report.summary())
     if args.json:
