@@ -26,6 +26,11 @@ from pagedlearn.viz.style import OUTLINE_COLOR
 MAX_FINISHED_ROWS = 20
 # nowrap (inherited by every cell): a request name never breaks mid-word
 TABLE = "margin-right:2em;white-space:nowrap;border-spacing:10px 1px"
+# ...except a list of names, which may break after its commas: a server's request ids are long
+# (``cmpl-`` and 32 hex digits) and its sequences repeat them, so a request with two sequences
+# would make the table wider than a notebook column. The view lets the table scroll in its own
+# box when even that is too wide (pagedlearn/viz/view.py).
+NAMES = "white-space:normal"
 
 
 class RequestBook:
@@ -174,7 +179,7 @@ def requests_html(state: PoolState, finished: list[RequestState]) -> str:
             [
                 f"{swatch(color)} {html.escape(str(r.request_id))}",
                 r.status + (f" ({html.escape(str(r.finish_reason))})" if done else ""),
-                html.escape(", ".join(map(str, r.seqs))),
+                _names(r.seqs),
                 str(r.prompt_tokens or "-"),
                 "-" if done and not r.output_tokens else str(r.output_tokens),
                 "-" if done else held,
@@ -199,7 +204,7 @@ def _sequences_html(state: PoolState) -> str:
         row = [
             f"{swatch(state.colors.get(g))} {html.escape(str(g))}",
             "swapped out" if swapped else "in the pool",
-            html.escape(", ".join(map(str, seqs))),
+            _names(seqs),
             str(max(state.num_tokens.get(n, 0) for n in names)),
             _held(state, seqs),
         ]
@@ -207,6 +212,14 @@ def _sequences_html(state: PoolState) -> str:
     head = ("sequence", "status", "tokens", "blocks") if alone else (
         "request", "status", "seqs", "tokens", "blocks")  # fmt: skip
     return _table(head, rows, "no sequences in the pool")
+
+
+def _names(names) -> str:
+    """Names joined by commas, in a cell that may wrap between them (``NAMES``) but never
+    inside one (``cmpl-`` would break at its hyphen)."""
+    one = "<span style='white-space:nowrap'>{}</span>"
+    joined = ", ".join(one.format(html.escape(str(n))) for n in names)
+    return f"<span style='{NAMES}'>{joined}</span>"
 
 
 def _held(state: PoolState, seqs) -> str:

@@ -10,7 +10,9 @@ Laid out top to bottom, so that it fits a normal notebook column and nothing is 
     [request list: the legend, one coloured row each]  [Inspect a block: buttons that wrap]
 
 The panels of a row wrap under each other in a narrow window, and the block buttons
-wrap onto as many rows as the width allows. The picture is drawn by blitting: the static layer
+wrap onto as many rows as the width allows. The request list is never wider than the column: its
+lists of sequences wrap, and what is still too wide (a server's long request ids in a narrow
+window) scrolls inside the list's own box. The picture is drawn by blitting: the static layer
 (outlines, ids) once, then only what a frame changes (see ``last_draw_seconds``).
 """
 
@@ -76,13 +78,18 @@ class PoolView:
         self.selected: int | None = None
         self.last_error: BaseException | None = None
 
-        # Its own size (a flex column would stretch it, blurring it), shrunk to a narrow column.
-        picture = w.Layout(max_width="100%", height="auto", align_self="flex-start")
+        # Its own size (a flex column would stretch it, blurring it), shrunk to a narrow column
+        # less its margins (2px a side): at exactly 100% the whole view would scroll by 4 px.
+        picture = w.Layout(max_width="calc(100% - 4px)", height="auto", align_self="flex-start")
         self.image = w.Image(format="png", layout=picture)
         self.stats = w.HTML()
         self.key = w.HTML(key_html())
         self.error = w.HTML()
-        self.requests = w.HTML(layout=w.Layout(margin="0 24px 0 0"))
+        # At most the column's width: a wider table (long request ids) wraps its lists of
+        # sequences (panels.NAMES), and scrolls in this box, right under it, if still too wide.
+        # Padding, not margin, keeps the gap to the inspector inside that width.
+        fit = w.Layout(margin="0", padding="0 24px 0 0", max_width="100%", overflow="auto")
+        self.requests = w.HTML(layout=fit)
         self.details = w.HTML("<i>click a block to inspect it</i>")
         if num_blocks <= MAX_BUTTONS:
             self.block_buttons = [
