@@ -76,7 +76,7 @@ import torch
 from IPython.display import display
 
 from pagedlearn.core.prefix_cache import ROOT_HASH
-from pagedlearn.kv_events.block_hashes import BlockHashError, VLLMHasher, make_hasher
+from pagedlearn.kv_events.block_hashes import BlockHashError, VLLMHasher, make_hasher, to_external
 from pagedlearn.kv_events.cache_state import KVCacheState
 from pagedlearn.kv_events.messages import decode_batch
 from pagedlearn.kv_events.recording import read_recording
@@ -174,12 +174,11 @@ def settle(timeout=30.0):
 def engine_cache():
     """The engine's prefix cache as the stream names it: wire hash -> (parent, tokens)."""
 
-    def wire(digest):  # the low 64 bits, as vLLM sends block hashes by default
-        return int.from_bytes(digest, "big") & (2**64 - 1)
+    def parent(e):  # the first block's parent is the root: None on the wire
+        return None if e.parent_hash == ROOT_HASH else to_external(e.parent_hash)
 
-    def read(engine):
-        return {wire(h): (None if e.parent_hash == ROOT_HASH else wire(e.parent_hash),
-                          e.token_ids) for h, e in engine.kv.prefix_cache.items()}  # fmt: skip
+    def read(engine):  # to_external: the low 64 bits, as vLLM sends block hashes by default
+        return {to_external(h): (parent(e), e.token_ids) for h, e in engine.kv.prefix_cache.items()}
 
     return srv.call(read)
 

@@ -43,6 +43,7 @@ from typing import Any
 
 from pagedlearn.core.prefix_cache import ROOT_HASH
 from pagedlearn.errors import KVEventsError
+from pagedlearn.kv_events.block_hashes import to_external
 from pagedlearn.kv_events.messages import (
     AllBlocksCleared,
     BlockRemoved,
@@ -62,8 +63,7 @@ def wire_hash(hex_digest: str, hash_format: str = "int") -> int | bytes:
     >>> wire_hash("00" * 24 + "0000000000000065"), wire_hash("ab" * 2, "bytes")
     (101, b'\\xab\\xab')
     """
-    digest = bytes.fromhex(hex_digest)
-    return int.from_bytes(digest, "big") & 0xFFFF_FFFF_FFFF_FFFF if hash_format == "int" else digest
+    return to_external(bytes.fromhex(hex_digest), int_hashes=hash_format == "int")
 
 
 class TraceToEvents:
