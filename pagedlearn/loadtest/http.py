@@ -69,7 +69,12 @@ from collections import Counter
 from pagedlearn.errors import PagedLearnError
 from pagedlearn.loadtest.http_report import HTTPLoadTestReport, build_http_report
 from pagedlearn.loadtest.http_stream import error_message, new_record, request_body, send_request
-from pagedlearn.loadtest.in_process import LoadTestOptionError, check_options, phase_progress
+from pagedlearn.loadtest.in_process import (
+    LoadTestOptionError,
+    check_options,
+    check_progress,
+    phase_progress,
+)
 from pagedlearn.loadtest.mix import PHASES, build_mix, default_pool, min_context, too_short
 from pagedlearn.loadtest.server_metrics import delta, scrape
 
@@ -131,10 +136,7 @@ def run_http_loadtest(
         raise LoadTestOptionError(
             "max_model_len", f"max_model_len must be None or an int >= 1, got {max_model_len!r}"
         )
-    if progress is not None and not callable(progress):
-        raise LoadTestOptionError(
-            "progress", f"progress must be None or progress(phase, done, total), got {progress!r}"
-        )
+    check_progress(progress)
     args = (root, api_key, model, num_requests, rate, seed, block_size, max_model_len, timeout,
             progress)  # fmt: skip
     try:

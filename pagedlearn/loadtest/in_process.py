@@ -103,6 +103,15 @@ def check_options(num_requests, rate, seed, block_size, num_blocks, swap_blocks)
             raise LoadTestOptionError(name, f"{name} must be None or an int >= 1, got {value!r}")
 
 
+def check_progress(progress) -> None:
+    """Raise :class:`LoadTestOptionError` unless ``progress`` is None or a callable taking
+    ``(phase, done, total)`` (both load tests' ``progress`` argument)."""
+    if progress is not None and not callable(progress):
+        raise LoadTestOptionError(
+            "progress", f"progress must be None or progress(phase, done, total), got {progress!r}"
+        )
+
+
 def check_context(max_len: int, block_size: int, num_blocks: int | None, model: str) -> None:
     """Raise :class:`LoadTestOptionError` when ``model``'s context of ``max_len`` tokens cannot
     hold the mix with this block size, or the pool (``num_blocks``; None: the default) cannot
@@ -184,10 +193,7 @@ def run_loadtest(
     """
     args = (num_requests, rate, seed, block_size, num_blocks, swap_blocks, prometheus)
     preflight(llm_or_model, *args)
-    if progress is not None and not callable(progress):
-        raise LoadTestOptionError(
-            "progress", f"progress must be None or progress(phase, done, total), got {progress!r}"
-        )
+    check_progress(progress)
     t_load = time.perf_counter()
     llm = _llm(llm_or_model, block_size, num_blocks, swap_blocks)
     engine = llm.engine
