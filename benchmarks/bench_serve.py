@@ -75,7 +75,7 @@ from pagedlearn.loadtest.mix import PHASES, build_mix, default_pool
 from pagedlearn.loadtest.report import _json_safe
 from pagedlearn.models import load
 from pagedlearn.models.runner import max_model_len
-from pagedlearn.progress import Progress, seconds
+from pagedlearn.progress import Progress, Stopwatch
 
 ROOT = Path(__file__).resolve().parent.parent
 RATE_MODEL = "tiny-gpt2"  # parts 2 and 3 run on it
@@ -360,11 +360,10 @@ def main() -> None:
     print(f"torch threads: {args.torch_threads} in each system (server: OMP_NUM_THREADS)")
     results: dict = {"machine": machine_line(), "overhead": {}}
     wanted = models + [RATE_MODEL] * bool({"ttft", "rss"} & parts and RATE_MODEL not in models)
-    started = time.monotonic()
+    watch = Stopwatch()
 
     def say(what: str) -> None:  # what starts now, on stderr (stdout keeps the results)
-        print(f"bench_serve: {what}, {seconds(time.monotonic() - started)} so far",
-              file=sys.stderr, flush=True)  # fmt: skip
+        watch.note(f"bench_serve: {what}")
 
     for model in wanted:
         say(f"{model}: loading it, starting its server")
@@ -403,7 +402,7 @@ def main() -> None:
                 )  # fmt: skip
                 progress.close()
                 print_memory(results["rss"], RATE_MODEL, pid)
-    print(f"bench_serve: done in {seconds(time.monotonic() - started)}", file=sys.stderr)
+    print(f"bench_serve: done in {watch}", file=sys.stderr, flush=True)
     print(f"\nload average (1 min) at the end: {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
     if args.json:
         Path(args.json).write_text(json.dumps(_json_safe(results), indent=1, default=str))

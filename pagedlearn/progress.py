@@ -51,6 +51,27 @@ def write(text: str, file=None) -> None:
     file.flush()
 
 
+class Stopwatch:
+    """The time since a command started, said as :func:`seconds` says it (``f"{watch}"``), for
+    the lines that say what starts next: ``watch.note(text)`` prints ``text, 12 s so far`` on
+    stderr.
+
+    >>> watch = Stopwatch(clock=iter([0.0, 75.0]).__next__)
+    >>> f"done in {watch}"
+    'done in 1 min 15 s'
+    """
+
+    def __init__(self, clock=time.monotonic) -> None:
+        self.clock, self.start = clock, clock()
+
+    def __str__(self) -> str:
+        return seconds(self.clock() - self.start)
+
+    def note(self, text: str, file=None) -> None:
+        """``text, <time> so far`` on ``file`` (stderr), above a bar on a terminal."""
+        write(f"{text}, {self} so far", file if file is not None else sys.stderr)
+
+
 class Progress:
     """``total`` units of work called ``unit`` (plural), labelled ``label``; ``update(n, what)``
     after each piece of work. ``note(text)`` prints a line of its own (what starts next).

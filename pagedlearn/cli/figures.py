@@ -271,27 +271,26 @@ def make_figures(directory="figures", paper: bool = True, quick: bool = False, o
     its estimates, :mod:`pagedlearn.progress`); ``out`` gets what was written (stdout, flushed).
     """
     import sys
-    import time
     from functools import partial
 
-    from pagedlearn.progress import seconds
+    from pagedlearn.progress import Stopwatch
     from pagedlearn.sim import plots
 
     out = out or partial(print, flush=True)
     note = partial(print, file=sys.stderr, flush=True)
-    directory, started = Path(directory), time.monotonic()
+    directory, watch = Path(directory), Stopwatch()
     parts = 2 if paper else 1
     note(f"figures 1/{parts}: serving the demo's mixed batch on {DEMO_MODEL} (recorded), "
          "simulating reservation vs paging on the same requests, a lab's feedback")  # fmt: skip
     figures, data = own_figures(quick)
     paths = plots.save_all(figures, directory, data)
-    note(f"figures 1/{parts}: {len(paths)} figures in {seconds(time.monotonic() - started)}")
+    note(f"figures 1/{parts}: {len(paths)} figures in {watch}")
     if paper:
         from pagedlearn.sim.paper import report
 
-        note("figures 2/2: the paper's figures (python -m pagedlearn paper, its progress "
-             f"below), {seconds(time.monotonic() - started)} so far")  # fmt: skip
+        watch.note("figures 2/2: the paper's figures (python -m pagedlearn paper, its progress "
+                   "below)")  # fmt: skip
         paths += report(quick=quick, out=lambda *_: None, figures_dir=directory)
     out("wrote " + ", ".join(str(p) for p in paths) + f" and {directory / plots.DATA} in "
-        f"{seconds(time.monotonic() - started)}")  # fmt: skip
+        f"{watch}")  # fmt: skip
     return paths

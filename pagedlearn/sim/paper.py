@@ -7,10 +7,9 @@ table (a list of dicts, one per row) with the paper's number beside ours.
 """
 
 import os
-import time
 from functools import lru_cache
 
-from pagedlearn.progress import Progress, seconds, write
+from pagedlearn.progress import Progress, Stopwatch, write
 from pagedlearn.sim.simulator import ContiguousMemory, PagedMemory, simulate
 from pagedlearn.sim.workloads import paper_workload
 
@@ -232,7 +231,7 @@ def report(quick: bool = False, out=None, figures_dir=None) -> list:
     n = {"sharegpt": 300, "alpaca": 800} if quick else NUM_REQUESTS
     spreads = (0.5, 1.0, 1.5) if quick else (0.5, 0.75, 1.0, 1.25, 1.5)
     per_request = 60 if quick else 300
-    started = time.monotonic()
+    watch = Stopwatch()
     # The work of parts 1 and 2, to estimate what is left. Part 1 counts tokens (prompt + output)
     # of the requests simulated anew: a ShareGPT-like request is ~6x an Alpaca-like one, and costs
     # about that much more. run() is cached: Figure 13 (ShareGPT) is Figure 2's runs, spread 1.0
@@ -311,8 +310,8 @@ def report(quick: bool = False, out=None, figures_dir=None) -> list:
 
     model = "tiny-gpt2" if quick else swap_recompute.GPT2_SIZE_RANDOM
     timed = Progress("paper 3/4 Figure 19", 1, "timed calls", every=10)
-    timed.note(f"paper 3/4: Figure 19, swap vs recompute on {model} (a warm-up, then the timed "
-               f"calls), {seconds(time.monotonic() - started)} so far")  # fmt: skip
+    watch.note(f"paper 3/4: Figure 19, swap vs recompute on {model} (a warm-up, then the timed "
+               "calls)")  # fmt: skip
     fig19 = swap_recompute.figure19(quick, progress=timed.set)
     timed.close()
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
@@ -330,8 +329,7 @@ def report(quick: bool = False, out=None, figures_dir=None) -> list:
     out(swap_recompute.PAPER_FIG19)
 
     served = Progress("paper 4/4 Figure 12", 1, "requests served", every=10)
-    served.note(f"paper 4/4: Figure 12, latency vs request rate, "
-                f"{seconds(time.monotonic() - started)} so far")  # fmt: skip
+    watch.note("paper 4/4: Figure 12, latency vs request rate")
     fig12, fig12_summary = serving_latency.figure12(quick, progress=served.set)
     served.close()
     out(f"\nFigure 12 -- normalized latency vs request rate, measured on this machine "
@@ -339,7 +337,7 @@ def report(quick: bool = False, out=None, figures_dir=None) -> list:
     out(format_rows(serving_latency.display_rows(fig12), digits=2))
     out(serving_latency.verdict(fig12_summary))
     out(serving_latency.PAPER_FIG12)
-    served.note(f"paper: every experiment done in {seconds(time.monotonic() - started)}")
+    served.note(f"paper: every experiment done in {watch}")
     if figures_dir is None:
         return []
     from pagedlearn.sim import plots
