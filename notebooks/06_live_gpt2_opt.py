@@ -453,16 +453,18 @@ for out in opt_finished:
 # requests in each queue, the stats). No model and no GPU are needed to replay it:
 # `ReplayView(path)` (or `EventLog.from_json(text)`) rebuilds every frame -- exactly the states
 # the live view showed (the tests check that they are equal). Move the slider, or press play.
+# Its size changes a little from run to run: each frame's stats hold the step's measured times.
 
-# %%
+# %% tags=["timing"]
 import tempfile
 from pathlib import Path
-
-from pagedlearn.viz import ReplayView
 
 path = Path(tempfile.gettempdir()) / "pagedlearn_opt_run.json"
 path.write_text(opt_log.to_json(), encoding="utf-8")
 print(f"{path}: {path.stat().st_size / 1024:.0f} KiB, {len(opt_log.events)} events")
+
+# %%
+from pagedlearn.viz import ReplayView
 
 replay = ReplayView(path, tokenizer=llm_opt.tokenizer)
 print(f"{replay.num_frames} frames")
