@@ -196,3 +196,28 @@ def test_a_check_may_run_timed_sections_small_a_stored_run_may_not(monkeypatch):
     chapters.execute(py)
     assert seen == [(None, False), ("1", True)]
     assert os.environ["PAGEDLEARN_CHECK"] == "1"  # the caller's environment is restored
+
+
+def test_smollm2_is_converted_before_a_chapter_runs_not_inside_it(monkeypatch):
+    """On a fresh machine the one-time conversion prints a line and a progress bar; inside a
+    chapter they would be stored as its output, or fail the check on a fresh CI machine."""
+    pytest.importorskip("nbclient")
+    import nbclient
+
+    from pagedlearn.models import smollm2
+
+    calls = []
+
+    class Client:
+        def __init__(self, nb, **kwargs):
+            pass
+
+        def execute(self):
+            calls.append("chapter")
+
+    monkeypatch.setattr(nbclient, "NotebookClient", Client)
+    monkeypatch.setattr(smollm2, "installed", lambda: True)
+    monkeypatch.setattr(smollm2, "folder", lambda: calls.append("convert"))
+    chapters.execute(chapters.chapters(["06"])[0])  # runs SmolLM2 (env.chat)
+    chapters.execute(chapters.chapters(["05"])[0])  # does not: not delayed by it
+    assert calls == ["convert", "chapter", "chapter"]

@@ -29,6 +29,7 @@ Two things would otherwise make every run a diff:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import sys
@@ -74,6 +75,7 @@ def execute(py: Path, timeout: int = 300, check: bool = True):
     import nbclient
 
     nb = jupytext.read(py)
+    _convert_chat_model_first(py)
     env = {**OFFLINE_ENV, **CHECK_ENV} if check else OFFLINE_ENV
     saved = {k: os.environ.get(k) for k in (*OFFLINE_ENV, *CHECK_ENV)}
     for k in CHECK_ENV:  # unless asked for below: a stored run is full size
@@ -96,6 +98,21 @@ def execute(py: Path, timeout: int = 300, check: bool = True):
             else:
                 os.environ[k] = v
     return clean(nb)
+
+
+def _convert_chat_model_first(py: Path) -> None:
+    """SmolLM2 is converted from its wheel once per machine (pagedlearn.models.smollm2), and the
+    conversion says so on stderr. Done inside a chapter, that line and its progress bar would be
+    stored as the chapter's output on a fresh machine, or make a fresh CI machine's check fail;
+    done here, they go to this terminal. A chapter that never loads SmolLM2 is not delayed, and a
+    failed conversion is left for the chapter's own cell to report."""
+    if "env.chat" not in py.read_text(encoding="utf-8"):
+        return
+    from pagedlearn.models import ModelLoadError, smollm2
+
+    if smollm2.installed():
+        with contextlib.suppress(ModelLoadError):
+            smollm2.folder()
 
 
 def clean(nb):
