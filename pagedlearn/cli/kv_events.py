@@ -26,13 +26,13 @@ import sys
 import time
 from pathlib import Path
 
-HASH_ALGOS = ("sha256", "sha256_cbor", "sha256_msgpack", "xxhash", "xxhash_cbor", "pagedlearn")
 LIVE_ONLY = ("replay_endpoint", "topic", "record", "duration", "bind")
 
 
 def add_arguments(p) -> None:
     """The command's options (``python -m pagedlearn kv-events --help``)."""
     from pagedlearn.__main__ import int_in, seconds
+    from pagedlearn.kv_events.block_hashes import ALGORITHMS
     from pagedlearn.kv_events.cache_state import MAX_BLOCKS
 
     src = p.add_argument_group("source (one of)")
@@ -98,7 +98,7 @@ def add_arguments(p) -> None:
     )
     hit.add_argument(
         "--hash-algo",
-        choices=HASH_ALGOS,
+        choices=(*ALGORITHMS, "pagedlearn"),  # vLLM's, and pagedlearn serve's own
         help="also match by hash, computed as "
         "the server does (its --prefix-caching-hash-algo; 'pagedlearn' for "
         "pagedlearn serve). Not in the stream: you must know it",

@@ -33,6 +33,19 @@ from pagedlearn.errors import KVEventsError
 INSTALL_HINT = 'pip install -e ".[kv-events]"'
 
 
+def check_positive_ints(error: type[Exception] = KVEventsError, **values) -> None:
+    """Raise ``error`` naming the first of ``values`` (name=value) that is not an int >= 1 (a
+    bool is not an int here): the sizes and caps every class of this package takes.
+
+    >>> check_positive_ints(block_size=0)
+    Traceback (most recent call last):
+    pagedlearn.errors.KVEventsError: block_size must be a positive int, got 0
+    """
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise error(f"{name} must be a positive int, got {value!r}")
+
+
 def import_extra(name: str) -> ModuleType:
     """Import ``zmq`` or ``msgspec``, or raise :class:`KVEventsError` with the one-line hint."""
     try:

@@ -50,10 +50,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from pagedlearn.errors import PagedLearnError
+from pagedlearn.kv_events import check_positive_ints
 
 ALGORITHMS = ("sha256", "sha256_cbor", "sha256_msgpack", "xxhash", "xxhash_cbor")
 DEFAULT_ALGORITHM = "sha256"  # vllm/config/cache.py: prefix_caching_hash_algo = "sha256"
 INT_HASH_MASK = (1 << 64) - 1  # maybe_convert_block_hash keeps the low 64 bits
+HASH_FORMATS = ("int", "bytes")  # a hash on the wire: the low 64 bits, or the whole digest
 
 UNKNOWABLE = (
     "hashes: the stream does not say which hash algorithm the server uses (vLLM's default is "
@@ -207,8 +209,7 @@ class VLLMHasher:
         cache_salt: str | None = None,
         int_hashes: bool = True,
     ) -> None:
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-            raise BlockHashError(f"block_size must be a positive int, got {block_size!r}")
+        check_positive_ints(BlockHashError, block_size=block_size)
         self.fn = hash_function(algorithm)
         if root is not None and python_hash_seed is not None:
             raise BlockHashError("give python_hash_seed or root, not both")
@@ -259,9 +260,8 @@ class PagedLearnHasher:
     ) -> None:
         from pagedlearn.core.prefix_cache import make_extra_keys
 
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-            raise BlockHashError(f"block_size must be a positive int, got {block_size!r}")
-        if hash_format not in ("int", "bytes"):
+        check_positive_ints(BlockHashError, block_size=block_size)
+        if hash_format not in HASH_FORMATS:
             raise BlockHashError(f"hash_format must be 'int' or 'bytes', got {hash_format!r}")
         self.block_size, self.model_id, self.hash_format = block_size, model_id, hash_format
         self.extra = make_extra_keys(model_id, adapter_id, cache_salt)

@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from pagedlearn.errors import KVEventsError
+from pagedlearn.kv_events import check_positive_ints
 
 MAX_BLOCKS = 100_000  # blocks held; measured ~0.85 KB each with 16 tokens: ~85 MB at most
 HISTORY = 10_000  # removals and batch points kept
@@ -107,9 +108,7 @@ class KVCacheState:
     """
 
     def __init__(self, max_blocks: int = MAX_BLOCKS, history: int = HISTORY) -> None:
-        for name, value in (("max_blocks", max_blocks), ("history", history)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise KVEventsError(f"{name} must be a positive int, got {value!r}")
+        check_positive_ints(max_blocks=max_blocks, history=history)
         self.max_blocks, self.history = max_blocks, history
         self.blocks: dict[BlockKey, StoredBlock] = {}
         self.by_hash: dict[int | bytes, set[BlockKey]] = {}  # for removals that omit a field

@@ -43,7 +43,8 @@ from typing import Any
 
 from pagedlearn.core.prefix_cache import ROOT_HASH
 from pagedlearn.errors import KVEventsError
-from pagedlearn.kv_events.block_hashes import to_external
+from pagedlearn.kv_events import check_positive_ints
+from pagedlearn.kv_events.block_hashes import HASH_FORMATS, to_external
 from pagedlearn.kv_events.messages import (
     AllBlocksCleared,
     BlockRemoved,
@@ -52,7 +53,6 @@ from pagedlearn.kv_events.messages import (
 )
 from pagedlearn.trace.block_events import split_group_seq_id
 
-HASH_FORMATS = ("int", "bytes")
 MEDIUM = "GPU"  # pagedlearn caches prefixes in the GPU pool only (its CPU pool is for swapping)
 _ROOT_HEX = ROOT_HASH.hex()
 
@@ -85,8 +85,7 @@ class TraceToEvents:
         hash_format: str = "int",
         data_parallel_rank: int | None = 0,
     ) -> None:
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-            raise KVEventsError(f"block_size must be a positive int, got {block_size!r}")
+        check_positive_ints(block_size=block_size)
         if hash_format not in HASH_FORMATS:
             raise KVEventsError(f"hash_format must be one of {HASH_FORMATS}, got {hash_format!r}")
         self.block_size, self.on_batch, self.hash_format = block_size, on_batch, hash_format

@@ -40,8 +40,9 @@ from collections import deque
 from typing import Any
 
 from pagedlearn.errors import KVEventsError
-from pagedlearn.kv_events import import_extra
-from pagedlearn.kv_events.from_trace import HASH_FORMATS, TraceToEvents
+from pagedlearn.kv_events import check_positive_ints, import_extra
+from pagedlearn.kv_events.block_hashes import HASH_FORMATS
+from pagedlearn.kv_events.from_trace import TraceToEvents
 from pagedlearn.kv_events.messages import KVEventBatch, encode_batch
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)  # vLLM's end-of-replay marker
@@ -90,9 +91,7 @@ class KVEventPublisher:
         bind: bool | None = None,
         linger: float = 0.5,
     ) -> None:
-        for name, value in (("buffer_steps", buffer_steps), ("max_queue", max_queue), ("hwm", hwm)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise KVEventsError(f"{name} must be a positive int, got {value!r}")
+        check_positive_ints(buffer_steps=buffer_steps, max_queue=max_queue, hwm=hwm)
         for name, value in (("endpoint", endpoint), ("topic", topic)):
             if not isinstance(value, str) or (name == "endpoint" and not value):
                 raise KVEventsError(f"{name} must be a string, got {value!r}")
@@ -114,13 +113,13 @@ class KVEventPublisher:
         try:
             self._pub = self._ctx.socket(zmq.PUB)
             self._pub.setsockopt(zmq.SNDHWM, hwm)
-            self.endpoint = _open(self._pub, endpoint, binds(endpoint) if bind is None else bind)
+            self.endpoint = open_endpoint(self._pub, endpoint, bind)
             self.replay_endpoint = None
             if replay_endpoint is not None:
                 self._replay = self._ctx.socket(zmq.ROUTER)
                 # A ROUTER drops what is over its high-water mark: one whole replay must fit.
                 self._replay.setsockopt(zmq.SNDHWM, buffer_steps + 2)
-                self.replay_endpoint = _open(self._replay, replay_endpoint, True)
+                self.replay_endpoint = open_endpoint(self._replay, replay_endpoint, True)
         except zmq.ZMQError as e:
             self._close_sockets(0)
             raise KVEventsError(socket_error("the KV-event sockets", e)) from None
@@ -160,20 +159,21 @@ class KVEventPublisher:
             self._counts["dropped"] += 1
             return False
 
-    def attach(self, trace, block_size: int, groups=None) -> None:
-        """Publish a KV-cache manager's block events from now on (one batch per engine step;
-        from_trace.py says how each event translates). ``groups``: the manager's KV-cache
-        groups (``kv.groups`` of a hybrid model's coordinator), None for one group. Blocks
-        cached before the call were never announced: attach before serving."""
+    def attach(self, kv) -> None:
+        """Publish the block events of ``kv``, an engine's KV-cache manager (``engine.kv``:
+        its ``trace``, ``block_size`` and, for a hybrid model's coordinator, its KV-cache
+        ``groups``), from now on: one batch per engine step (from_trace.py says how each event
+        translates). Blocks cached before the call were never announced: attach before
+        serving."""
         if self._detach is not None:
             raise KVEventsError("this publisher is already attached to a trace")
         if self._closed:
             raise KVEventsError("this KV-event publisher is closed")
         listener = TraceToEvents(
-            block_size, self._from_trace, groups=groups, hash_format=self.hash_format,
-            data_parallel_rank=self.data_parallel_rank,
+            kv.block_size, self._from_trace, groups=getattr(kv, "groups", None),
+            hash_format=self.hash_format, data_parallel_rank=self.data_parallel_rank,
         )  # fmt: skip
-        self._detach = trace.subscribe(listener)
+        self._detach = kv.trace.subscribe(listener)
 
     def _from_trace(self, batch: KVEventBatch) -> None:
         if not self._closed:
@@ -267,9 +267,10 @@ class KVEventPublisher:
         return f"KVEventPublisher({self.endpoint!r}, replay={self.replay_endpoint!r}, {state})"
 
 
-def _open(sock, endpoint: str, bind: bool) -> str:
-    """Bind or connect ``sock``; returns the address (the real port of a wildcard one)."""
-    if bind:
+def open_endpoint(sock, endpoint: str, bind: bool | None = None) -> str:
+    """Bind or connect ``sock`` (``bind`` None: by :func:`binds`, vLLM's rule); returns the
+    address (the real port of a wildcard one). The publisher's sockets and the subscriber's."""
+    if binds(endpoint) if bind is None else bind:
         sock.bind(endpoint)
         return sock.getsockopt_string(import_extra("zmq").LAST_ENDPOINT)
     sock.connect(endpoint)
@@ -290,7 +291,7 @@ def publish_kv_events(
         )
     publisher = KVEventPublisher(endpoint, replay_endpoint, **kwargs)
     try:
-        publisher.attach(kv.trace, kv.block_size, getattr(kv, "groups", None))
+        publisher.attach(kv)
     except BaseException:
         publisher.close()
         raise

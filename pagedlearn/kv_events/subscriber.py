@@ -49,9 +49,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from pagedlearn.errors import KVEventsError
-from pagedlearn.kv_events import import_extra
+from pagedlearn.kv_events import check_positive_ints, import_extra
 from pagedlearn.kv_events.messages import KVEventBatch, decode_batch
-from pagedlearn.kv_events.publisher import binds, socket_error
+from pagedlearn.kv_events.publisher import END_SEQ, binds, open_endpoint, socket_error
 
 Callback = Callable[[int, KVEventBatch], Any]
 _COUNTERS = (
@@ -81,10 +81,10 @@ class KVEventSubscriber:
         keep_errors: int = 20,
         record=None,
     ) -> None:
-        sizes = dict(max_queue=max_queue, max_queued_bytes=max_queued_bytes, max_bytes=max_bytes)
-        for name, v in {**sizes, "rcvhwm": rcvhwm, "keep_errors": keep_errors}.items():
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise KVEventsError(f"{name} must be a positive int, got {v!r}")
+        check_positive_ints(
+            max_queue=max_queue, max_queued_bytes=max_queued_bytes, max_bytes=max_bytes,
+            rcvhwm=rcvhwm, keep_errors=keep_errors,
+        )  # fmt: skip
         for name, v in (("replay_timeout", replay_timeout), ("silence_timeout", silence_timeout)):
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
                 raise KVEventsError(f"{name} must be a positive number of seconds, got {v!r}")
@@ -119,12 +119,7 @@ class KVEventSubscriber:
             self._sub.setsockopt(zmq.MAXMSGSIZE, max_bytes + 4096)  # a bigger frame: disconnected
             self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
             self.bound = binds(endpoint) if bind is None else bool(bind)
-            if self.bound:
-                self._sub.bind(endpoint)
-                endpoint = self._sub.getsockopt_string(zmq.LAST_ENDPOINT)
-            else:
-                self._sub.connect(endpoint)
-            self.endpoint = endpoint
+            self.endpoint = open_endpoint(self._sub, endpoint, self.bound)
             self._dealer = self._new_dealer() if replay_endpoint is not None else None
         except zmq.ZMQError as e:
             self._close_sockets()
@@ -242,7 +237,7 @@ class KVEventSubscriber:
             deadline = time.monotonic() + self.replay_timeout
             while (wait := deadline - time.monotonic()) > 0 and self._dealer.poll(wait * 1000):
                 frames = self._dealer.recv_multipart()
-                if len(frames) != 3 or len(frames[1]) != 8 or frames[1] == b"\xff" * 8:
+                if len(frames) != 3 or len(frames[1]) != 8 or frames[1] == END_SEQ:
                     break  # the end marker (or a reply we cannot read: the same)
                 seq = int.from_bytes(frames[1], "big")
                 if (upto is None or seq < upto) and (self.last_seq is None or seq > self.last_seq):

@@ -204,8 +204,7 @@ def serve(
         name = served_model_name or str(llm.model_name)
         context = _served_context(llm, verbose=llm_kwargs.get("verbose", True))
         if publisher is not None:  # subscribed before the engine thread steps
-            kv = llm.engine.kv
-            publisher.attach(kv.trace, kv.block_size, getattr(kv, "groups", None))
+            publisher.attach(llm.engine.kv)
         loop = EngineLoop(llm.engine).start()
         app = build_app(loop, name, context, api_key)
         config = uvicorn.Config(

@@ -28,6 +28,7 @@ from matplotlib.colors import Normalize
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 
+from pagedlearn.kv_events import check_positive_ints
 from pagedlearn.kv_events.cache_state import KVCacheState, StoredBlock
 from pagedlearn.viz.style import OKABE_ITO, OUTLINE_COLOR, STYLE, text_color
 
@@ -114,9 +115,7 @@ def draw_prefix_tree(
         raise ValueError(f"color_by must be one of {COLOR_BY}, got {color_by!r}")
     if not isinstance(state, KVCacheState):
         raise TypeError(f"draw_prefix_tree needs a KVCacheState, got {type(state).__name__}")
-    for name, value in (("max_depth", max_depth), ("max_boxes", max_boxes)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    check_positive_ints(ValueError, max_depth=max_depth, max_boxes=max_boxes)
     with matplotlib.rc_context(STYLE):
         return _draw(state, color_by, tokenizer, max_depth, max_boxes, title, width)
 
