@@ -123,6 +123,22 @@ def test_the_live_view_updates_by_hand_at_a_bounded_rate():
         view.start()
 
 
+def test_the_live_view_summarizes_the_cache_again_only_when_something_new_came(monkeypatch):
+    # The summary walks the whole tree; the view updates max_fps times a second, mostly idle.
+    view = KVEventsLiveView(max_fps=1e-6)
+    made = []
+    real = view.state.summary
+    monkeypatch.setattr(view.state, "summary", lambda top=5: made.append(top) or real(top))
+    view.update(batches()[:2])
+    assert len(made) == 1 and "cached now: 4 blocks" in view.status.value
+    for _ in range(3):
+        view.update(pairs=[])  # nothing new: the line is the same, the summary is not redone
+    assert len(made) == 1 and "cached now: 4 blocks" in view.status.value
+    view.state.apply_event(BlockRemoved([4], "GPU"))  # the state changed under the view
+    view.update(pairs=[])
+    assert len(made) == 2 and "cached now: 3 blocks" in view.status.value
+
+
 def test_the_live_view_follows_a_real_subscriber_on_a_thread_and_stops():
     from pagedlearn.kv_events.publisher import KVEventPublisher
     from pagedlearn.kv_events.subscriber import KVEventSubscriber

@@ -287,7 +287,7 @@ def _hasher(args, state):
     from pagedlearn.errors import KVEventsError
     from pagedlearn.kv_events.block_hashes import BlockHashError, make_hasher
 
-    size = state.block_sizes.most_common(1)[0][0]  # the stream's own block size
+    size = state.block_size  # the stream's own
     options = ({"model_id": args.model_id} if args.hash_algo == "pagedlearn"
                else {"python_hash_seed": args.python_hash_seed})  # fmt: skip
     try:

@@ -313,6 +313,11 @@ class KVCacheState:
         return leaves
 
     @property
+    def block_size(self) -> int | None:
+        """The block size of most blocks held now (a server has one; None while empty)."""
+        return self.block_sizes.most_common(1)[0][0] if self.block_sizes else None
+
+    @property
     def capped(self) -> bool:
         return self.problems["dropped_at_cap"] > 0
 

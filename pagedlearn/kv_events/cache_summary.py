@@ -204,7 +204,7 @@ def hit_opportunities(state, token_ids, hasher=None, *, rank=_ANY, medium=_ANY, 
     tokens = list(token_ids)
     if not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
         raise KVEventsError("token_ids must be ints (a tokenizer's ids, not text)")
-    size = getattr(hasher, "block_size", None) or (state.block_sizes.most_common(1) or [(0,)])[0][0]
+    size = getattr(hasher, "block_size", None) or state.block_size
     if not size:
         raise KVEventsError("no block is cached yet, so the block size is unknown: pass a hasher")
     level = [b for b in state.blocks.values() if b.parent_hash is None]

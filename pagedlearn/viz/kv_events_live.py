@@ -37,6 +37,7 @@ import traceback
 import ipywidgets as w
 
 from pagedlearn.kv_events.cache_state import KVCacheState
+from pagedlearn.viz.prefix_tree import COLOR_BY
 from pagedlearn.viz.view import DPI
 
 COUNTERS = ("received", "malformed", "gaps", "missed", "replayed", "dropped", "duplicates",
@@ -75,12 +76,15 @@ class KVEventsLiveView:
             )
         if isinstance(max_fps, bool) or not isinstance(max_fps, (int, float)) or max_fps <= 0:
             raise ValueError(f"max_fps must be a number of frames a second > 0, got {max_fps!r}")
-        if color_by not in ("age", "medium"):
+        if color_by not in COLOR_BY:
             raise ValueError(f"color_by must be 'age' or 'medium', got {color_by!r}")
         self.source, self.state = source, state if state is not None else KVCacheState()
         self.tokenizer, self.max_fps, self.with_timeline = tokenizer, float(max_fps), timeline
         self.frames_drawn, self.last_draw_seconds, self.last_error = 0, 0.0, None
         self._last_draw = -float("inf")  # time.monotonic() at the end of the last drawing
+        # The cache's summary walks the whole tree (a third of a second at 90,000 blocks): it is
+        # made again only when the state took in something new, not at every update.
+        self._summary, self._summary_of = None, None
         self._dirty = True
         self._stop = threading.Event()
         self._lock = threading.RLock()
@@ -89,7 +93,7 @@ class KVEventsLiveView:
 
         self.stop_button = w.Button(description="Stop", icon="stop", tooltip="stop following")
         self.stop_button.on_click(lambda _: self.stop())
-        self.color = w.ToggleButtons(options=["age", "medium"], value=color_by,
+        self.color = w.ToggleButtons(options=list(COLOR_BY), value=color_by,
                                      description="colour by")  # fmt: skip
         self.color.observe(lambda _: self._redraw_now(), "value")
         self.status = w.HTML()
@@ -136,7 +140,7 @@ class KVEventsLiveView:
             st = self.source.status()
             counts = " · ".join(f"{k} {st[k]}" for k in COUNTERS if st.get(k) or k == "received")
             parts.append(f"<b>{html.escape(str(st.get('state', '')))}</b> · {counts}")
-        s = self.state.summary(top=0)
+        s = self.summary()
         where = ", ".join(f"{k} {n}" for k, n in s.per_place.items()) or "empty"
         line = f"cached now: {s.blocks} blocks ({where}), {s.roots} roots, deepest {s.deepest}"
         if s.problems:
@@ -145,6 +149,14 @@ class KVEventsLiveView:
         if s.capped:
             parts.append(f"<span style='color:#D55E00'>{html.escape(s.capped)}</span>")
         return "<br>".join(parts)
+
+    def summary(self):
+        """The state's :meth:`~KVCacheState.summary` (``top=0``), kept while nothing new came."""
+        received = self.state.received
+        now = (received["batches"], received["events"])
+        if self._summary is None or self._summary_of != now:
+            self._summary, self._summary_of = self.state.summary(top=0), now
+        return self._summary
 
     def _draw(self) -> None:
         from pagedlearn.viz.kv_events_timeline import draw_kv_events_timeline
@@ -219,5 +231,5 @@ class KVEventsLiveView:
         bundle = self.widget._repr_mimebundle_(**kwargs)
         if self.tree_image.value:
             bundle["image/png"] = base64.b64encode(self.tree_image.value).decode("ascii")
-        bundle["text/plain"] = f"KVEventsLiveView: {self.state.summary(top=0).blocks} blocks"
+        bundle["text/plain"] = f"KVEventsLiveView: {len(self.state.blocks)} blocks"
         return bundle

@@ -121,8 +121,8 @@ def draw_prefix_tree(
 
 
 def _draw(state, color_by, tokenizer, max_depth, max_boxes, title, width) -> Figure:
-    leaves = state.leaves_below()
-    leaves_total = sum(leaves[b.key] for b in state.roots()) or 1
+    leaves, roots = state.leaves_below(), state.roots()
+    leaves_total = sum(leaves[b.key] for b in roots) or 1
     height_in = min(11.0, 3.2 + 0.3 * min(leaves_total, 26))
     min_leaves = leaves_total / (height_in * 72)  # thinner than a point: not split further
     boxes, total, hidden, truncated, bands = layout(state, max_depth, max_boxes, min_leaves, leaves)
@@ -165,7 +165,7 @@ def _draw(state, color_by, tokenizer, max_depth, max_boxes, title, width) -> Fig
     ax.set_ylim(max(total, 1), 0)  # the largest shared prefix on top
     if not boxes and not bands:
         ax.text(0.5, 0.5, "no cached block yet", ha="center", va="center", color=OUTLINE_COLOR)
-    size = state.block_sizes.most_common(1)[0][0] if state.block_sizes else None
+    size = state.block_size
     step = max(1, columns // 12)
     ax.set_xticks([j + 0.5 for j in range(0, columns, step)])
     ax.set_xticklabels([f"{j}" + (f"\n@{j * size}" if size else "")
@@ -180,8 +180,7 @@ def _draw(state, color_by, tokenizer, max_depth, max_boxes, title, width) -> Fig
         left_out.append(f"{hidden} blocks not drawn one by one")
     if truncated:
         left_out.append(f"cut at {max_depth} blocks deep")
-    summary = state.summary(top=0)
-    head = title or (f"prefix tree: {summary.blocks} cached blocks, {summary.roots} roots, "
+    head = title or (f"prefix tree: {len(state.blocks)} cached blocks, {len(roots)} roots, "
                      f"{int(total)} cached continuations")  # fmt: skip
     fig.suptitle(head, fontsize=12, y=1 - 0.08 / height_in, va="top")
     if left_out:  # top right, over the colour bar: what the picture does not show
