@@ -158,10 +158,8 @@ def decode_batch(payload: bytes, *, max_bytes: int = MAX_PAYLOAD_BYTES) -> KVEve
 
 def _batch_fields(raw: Any) -> tuple[Any, list, Any]:
     """``(ts, events, rank)`` from a batch in either shape, its size checked."""
-    if isinstance(raw, list) and 2 <= len(raw) <= 3:  # [ts, events, rank?] (extra: ignored)
-        ts, events, rank = raw[0], raw[1], raw[2] if len(raw) == 3 else None
-    elif isinstance(raw, list) and len(raw) > 3:
-        ts, events, rank = raw[0], raw[1], raw[2]  # a newer sender's trailing fields
+    if isinstance(raw, list) and len(raw) >= 2:  # [ts, events, rank?, a newer sender's more]
+        ts, events, rank = raw[0], raw[1], raw[2] if len(raw) > 2 else None
     elif isinstance(raw, dict) and "ts" in raw and "events" in raw:
         ts, events, rank = raw["ts"], raw["events"], raw.get("data_parallel_rank")
     else:

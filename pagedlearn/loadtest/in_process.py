@@ -295,18 +295,19 @@ def phase_progress(file=None, every: float = 5.0):
     at most every ``every`` seconds, and one when the phase's last request ends)."""
     from pagedlearn.progress import Progress
 
-    bars: dict[str, Progress] = {}
+    bar: Progress | None = None  # the running phase's (one phase runs at a time)
 
     def progress(phase: str, done: int, total: int) -> None:
+        nonlocal bar
         if done == 0:
-            for bar in bars.values():
+            if bar is not None:
                 bar.close()
-            bars.clear()
-            bars[phase] = Progress(f"loadtest {phase} phase", total, "requests", file, every)
-            bars[phase].note(f"loadtest: the {phase} phase starts: {total} requests")
-        bars[phase].set(done)
+            bar = Progress(f"loadtest {phase} phase", total, "requests", file, every)
+            bar.note(f"loadtest: the {phase} phase starts: {total} requests")
+        bar.set(done)
         if done >= total:
-            bars.pop(phase).close()
+            bar.close()
+            bar = None
 
     return progress
 
