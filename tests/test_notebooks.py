@@ -78,7 +78,7 @@ def test_notebook_runs_top_to_bottom_offline(py: Path):
     pytest.importorskip("nbclient")
     from pagedlearn.models import smollm2
 
-    if "env.chat" in py.read_text(encoding="utf-8") and not smollm2.installed():
+    if chapters.runs_chat_model(py) and not smollm2.installed():
         # Its committed outputs are SmolLM2's: tiny-gpt2's would differ in every chat.
         pytest.skip(f"{py.stem} runs SmolLM2 (env.chat): `{smollm2.INSTALL}`")
     nb = chapters.execute(py, timeout=TIMEOUT_S)  # raises CellExecutionError, with the cell

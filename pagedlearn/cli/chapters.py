@@ -100,13 +100,19 @@ def execute(py: Path, timeout: int = 300, check: bool = True):
     return clean(nb)
 
 
+def runs_chat_model(py: Path) -> bool:
+    """Whether chapter ``py`` loads the chat model (``env.chat``: SmolLM2 where its wheel is
+    installed), whose outputs it stores."""
+    return "env.chat" in py.read_text(encoding="utf-8")
+
+
 def _convert_chat_model_first(py: Path) -> None:
     """SmolLM2 is converted from its wheel once per machine (pagedlearn.models.smollm2), and the
     conversion says so on stderr. Done inside a chapter, that line and its progress bar would be
     stored as the chapter's output on a fresh machine, or make a fresh CI machine's check fail;
     done here, they go to this terminal. A chapter that never loads SmolLM2 is not delayed, and a
     failed conversion is left for the chapter's own cell to report."""
-    if "env.chat" not in py.read_text(encoding="utf-8"):
+    if not runs_chat_model(py):
         return
     from pagedlearn.models import ModelLoadError, smollm2
 
