@@ -75,9 +75,9 @@ import openai
 import torch
 from IPython.display import display
 
-from pagedlearn.core.prefix_cache import ROOT_HASH
-from pagedlearn.kv_events.block_hashes import BlockHashError, VLLMHasher, make_hasher, to_external
+from pagedlearn.kv_events.block_hashes import BlockHashError, VLLMHasher, make_hasher
 from pagedlearn.kv_events.cache_state import KVCacheState
+from pagedlearn.kv_events.from_trace import cached_blocks
 from pagedlearn.kv_events.messages import decode_batch
 from pagedlearn.kv_events.recording import read_recording
 from pagedlearn.kv_events.subscriber import KVEventSubscriber
@@ -172,20 +172,9 @@ def settle(timeout=30.0):
 
 
 def engine_cache():
-    """The engine's prefix cache as the stream names it: wire hash -> (parent, tokens)."""
-
-    def parent(e):  # the first block's parent is the root: None on the wire
-        return None if e.parent_hash == ROOT_HASH else to_external(e.parent_hash)
-
-    def read(engine):  # to_external: the low 64 bits, as vLLM sends block hashes by default
-        return {to_external(h): (parent(e), e.token_ids) for h, e in engine.kv.prefix_cache.items()}
-
-    return srv.call(read)
-
-
-def stream_cache():
-    """The stream's picture in the same shape."""
-    return {k.block_hash: (b.parent_hash, b.token_ids) for k, b in state.blocks.items()}
+    """The engine's prefix cache as the stream names it: wire hash (the low 64 bits, as vLLM
+    sends block hashes by default) -> (parent's, None at a prompt's start; tokens)."""
+    return srv.call(lambda engine: cached_blocks(engine.kv))
 
 
 # %% [markdown]
@@ -277,7 +266,7 @@ for who, system in SYSTEMS.items():
 settle()
 print(f"\nthe stream's picture: {len(state.blocks)} cached blocks; the engine's prefix cache: "
       f"{len(engine_cache())}; the same blocks, parents and tokens: "
-      f"{stream_cache() == engine_cache()}")  # fmt: skip
+      f"{state.cached_blocks() == engine_cache()}")  # fmt: skip
 
 # %% [markdown]
 # The shop's first chat finds nothing: the cache is empty. The coding agent's first finds 8
@@ -399,7 +388,7 @@ evicted = srv.call(lambda engine: engine.stats().evictions) - evicted_before
 print(f"evicted by the engine: {evicted}; BlockRemoved in the stream: {removed}")
 print("cached blocks whose parent is not:", sum(b.parent_unseen for b in state.blocks.values()))
 print(f"the stream's picture: {len(state.blocks)} blocks; the engine's prefix cache: "
-      f"{len(engine_cache())}; the same: {stream_cache() == engine_cache()}")  # fmt: skip
+      f"{len(engine_cache())}; the same: {state.cached_blocks() == engine_cache()}")  # fmt: skip
 
 # %%
 draw_prefix_tree(state, tokenizer=tokenizer, title="after two long documents: what survived")

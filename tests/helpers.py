@@ -3,6 +3,7 @@
 import contextlib
 import importlib
 import sys
+import time
 from pathlib import Path
 
 from pagedlearn import KVCacheManager
@@ -236,3 +237,13 @@ def assert_serves(http, max_tokens: int = 4) -> None:
     r = http.post("/v1/completions", json=body)
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] == max_tokens
+
+
+def wait_until(predicate, what: str = "the condition", timeout: float = 20.0):
+    """Poll ``predicate()`` until it returns something truthy, and return that; fail naming
+    ``what`` after ``timeout`` seconds (threads and sockets answer in their own time)."""
+    deadline = time.monotonic() + timeout
+    while not (value := predicate()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.005)
+    return value

@@ -4,10 +4,12 @@ over real ZeroMQ sockets: what the stream says equals what the manager holds."""
 import time
 
 import pytest
+from helpers import wait_until
 
 from pagedlearn import LLM, SamplingParams
-from pagedlearn.core.prefix_cache import ROOT_HASH
 from pagedlearn.errors import KVEventsError
+from pagedlearn.kv_events.block_hashes import to_external
+from pagedlearn.kv_events.from_trace import cached_blocks
 from pagedlearn.kv_events.messages import AllBlocksCleared, BlockRemoved, BlockStored
 from pagedlearn.kv_events.publisher import publish_kv_events
 from pagedlearn.kv_events.subscriber import KVEventSubscriber
@@ -15,17 +17,6 @@ from pagedlearn.trace.events import EventLog
 
 ANY = "tcp://127.0.0.1:*"
 BS = 4
-
-
-def wait_until(predicate, what, timeout=20.0):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.005)
-
-
-def low64(h: bytes) -> int:
-    return int.from_bytes(h, "big") & (2**64 - 1)
 
 
 @pytest.fixture(scope="module")
@@ -48,20 +39,13 @@ def follow(batches, cache: dict) -> None:
             if isinstance(e, BlockStored):
                 parent = e.parent_block_hash
                 for i, h in enumerate(e.block_hashes):
-                    cache[h] = (parent, e.token_ids[i * BS : (i + 1) * BS])
+                    cache[h] = (parent, tuple(e.token_ids[i * BS : (i + 1) * BS]))
                     parent = h
             elif isinstance(e, BlockRemoved):
                 for h in e.block_hashes:
                     del cache[h]  # (KeyError: removed a block never stored)
             elif isinstance(e, AllBlocksCleared):
                 cache.clear()
-
-
-def manager_cache(kv) -> dict:
-    return {
-        low64(h): (None if e.parent_hash == ROOT_HASH else low64(e.parent_hash), list(e.token_ids))
-        for h, e in kv.prefix_cache.items()
-    }
 
 
 def test_the_stream_follows_the_managers_prefix_cache_block_by_block(llm):
@@ -77,7 +61,7 @@ def test_the_stream_follows_the_managers_prefix_cache_block_by_block(llm):
         llm.generate(prompts[:1], params, use_tqdm=False)
         first = drain(pub, sub)
         follow(first, cache)
-        assert cache == manager_cache(kv)
+        assert cache == cached_blocks(kv)
         stored = [e for b in first for e in b.events if isinstance(e, BlockStored)]
         assert stored[0].parent_block_hash is None and stored[0].block_size == BS
         assert stored[0].token_ids[: 3 * BS] == prompts[0][: 3 * BS]  # the prompt's full blocks
@@ -91,13 +75,13 @@ def test_the_stream_follows_the_managers_prefix_cache_block_by_block(llm):
         llm.generate([list(range(30, 55))], params, use_tqdm=False)  # 8 blocks: evicts all
         more = drain(pub, sub)
         follow(more, cache)
-        assert cache == manager_cache(kv)
+        assert cache == cached_blocks(kv)
         later = [e for b in more for e in b.events if isinstance(e, BlockStored)]
         assert any(e.parent_block_hash == shared for e in later)  # chained on the shared prefix
         removals = [e for b in more for e in b.events if isinstance(e, BlockRemoved)]
         removed = [h for e in removals for h in e.block_hashes]
         evicted = [e.info["hash"] for e in log.events[seen:] if e.kind == "evict"]
-        assert removed and removed == [low64(bytes.fromhex(h)) for h in evicted]
+        assert removed and removed == [to_external(bytes.fromhex(h)) for h in evicted]
 
         llm.reset_prefix_cache()
         cleared = drain(pub, sub)

@@ -10,13 +10,13 @@ hash that goes on the wire, with its parent and its tokens, and nothing else may
 """
 
 import math
-import time
 
 import pytest
+from helpers import wait_until
 
 from pagedlearn import LLM
-from pagedlearn.core.prefix_cache import ROOT_HASH
 from pagedlearn.kv_events.cache_state import BlockKey, KVCacheState
+from pagedlearn.kv_events.from_trace import cached_blocks
 from pagedlearn.kv_events.publisher import publish_kv_events
 from pagedlearn.kv_events.subscriber import KVEventSubscriber
 from pagedlearn.loadtest.driver import Driver
@@ -26,38 +26,20 @@ ANY = "tcp://127.0.0.1:*"
 BLOCK_SIZE = 16
 
 
-def low64(digest: bytes) -> int:
-    """A 32-byte digest as it goes on the wire by default (vLLM's int block hashes)."""
-    return int.from_bytes(digest, "big") & (2**64 - 1)
-
-
-def wait_until(predicate, what: str, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.005)
-
-
-def manager_picture(kv) -> dict:
-    """The manager's prefix cache as the stream should say it: wire hash -> (parent, tokens)."""
-    return {
-        low64(h): (None if e.parent_hash == ROOT_HASH else low64(e.parent_hash), e.token_ids)
-        for h, e in kv.prefix_cache.items()
-    }
-
-
 def drain(pub, sub, state: KVCacheState) -> None:
     """Apply every batch the engine made so far to ``state``, as the subscriber received it."""
-    wait_until(lambda: pub.status()["published"] == pub.status()["accepted"], "sending")
+    wait_until(lambda: pub.status()["published"] == pub.status()["accepted"], "sending", 30.0)
     last = pub.status()["published"] - 1
     # (last_seq moves before a batch is queued for poll(): wait for the picture itself)
-    wait_until(lambda: state.extend(sub.poll()) >= 0 and state.last_seq == last, f"batch {last}")
+    wait_until(
+        lambda: state.extend(sub.poll()) >= 0 and state.last_seq == last, f"batch {last}", 30.0
+    )
 
 
 def compare(state: KVCacheState, kv, phase: str) -> None:
     """The picture equals the manager's prefix cache: every cached block under its wire hash,
     with its parent and its tokens; nothing extra, nothing missing."""
-    want = manager_picture(kv)
+    want = cached_blocks(kv)  # the manager's prefix cache as the stream should say it
     have = {k.block_hash for k in state.blocks}
     assert have == set(want), f"after {phase}: {len(have - set(want))} extra, " \
         f"{len(set(want) - have)} missing"  # fmt: skip

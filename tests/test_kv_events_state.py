@@ -243,8 +243,7 @@ def test_the_picture_equals_the_managers_prefix_cache_block_by_block():
     """pagedlearn's own manager, its trace turned into events (from_trace.py), applied here: the
     picture holds exactly the manager's cached blocks, with their tokens and parents."""
     from pagedlearn.core.kv_cache_manager import KVCacheManager
-    from pagedlearn.core.prefix_cache import ROOT_HASH
-    from pagedlearn.kv_events.from_trace import TraceToEvents
+    from pagedlearn.kv_events.from_trace import TraceToEvents, cached_blocks
 
     kv = KVCacheManager(num_blocks=12, block_size=B, enable_prefix_caching=True, model_id="m")
     s = KVCacheState()
@@ -258,9 +257,6 @@ def test_the_picture_equals_the_managers_prefix_cache_block_by_block():
         kv.free_sequence(name)
     kv.add_sequence("d", list(range(20, 40)))  # needs 10 blocks: evicts cached ones
     kv.mark_step()
-    held = {}
-    for h, entry in kv.prefix_cache.items():
-        parent = None if entry.parent_hash == ROOT_HASH else bh.to_external(entry.parent_hash)
-        held[bh.to_external(h)] = (parent, entry.token_ids)
-    seen = {k.block_hash: (b.parent_hash, b.token_ids) for k, b in s.blocks.items()}
+    held = cached_blocks(kv)  # the manager's cache as the stream names it
+    seen = s.cached_blocks()
     assert seen == held and len(held) >= 4 and s.removals and s.problems == {}

@@ -6,6 +6,7 @@ import time
 import msgspec
 import pytest
 import zmq
+from helpers import wait_until
 
 from pagedlearn.errors import KVEventsError
 from pagedlearn.kv_events.messages import (
@@ -30,13 +31,6 @@ def stored(h=101, parent=None, tokens=(1, 2, 3, 4)):
 
 def batch(*events, rank=0):
     return KVEventBatch(1.5, list(events), rank)
-
-
-def wait_until(predicate, what, timeout=20.0):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.005)
 
 
 # --- messages ----------------------------------------------------------------------------------

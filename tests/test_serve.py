@@ -20,6 +20,8 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 parser = pytest.importorskip("prometheus_client.parser")
 
+from helpers import wait_until  # noqa: E402
+
 from pagedlearn import LLM, SamplingParams  # noqa: E402
 from pagedlearn.serve import serve  # noqa: E402
 from pagedlearn.serve.chat import plain_template  # noqa: E402
@@ -61,16 +63,6 @@ def pool_state(engine) -> dict:
 
 
 CLEAN = {"requests": 0, "work": False, "used_blocks": 0, "sequences": 0}
-
-
-def wait_until(fn, timeout: float = 5.0):
-    """Poll ``fn()`` until it returns something truthy, or fail after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        if value := fn():
-            return value
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
 
 
 def stream_texts(chunks) -> dict[int, str]:
@@ -298,7 +290,7 @@ def test_32_concurrent_streams_finish_and_give_every_block_back(srv, llm):
             )
 
     assert asyncio.run(main()) == want
-    assert wait_until(lambda: srv.call(pool_state) == CLEAN)
+    assert wait_until(lambda: srv.call(pool_state) == CLEAN, "a clean pool", 5.0)
 
 
 def slow_steps(srv, seconds: float):
@@ -326,7 +318,7 @@ def test_a_client_that_leaves_mid_stream_has_its_request_aborted(srv):
                 if events == 3:
                     break
         # the connection is closed here, ~3 tokens into 400
-        assert wait_until(lambda: srv.call(pool_state) == CLEAN)
+        assert wait_until(lambda: srv.call(pool_state) == CLEAN, "a clean pool", 5.0)
         assert srv.call(aborted) == before + 1
     finally:
         srv.call(lambda e: unsubscribe())
@@ -339,7 +331,7 @@ def test_a_client_that_times_out_on_a_plain_request_has_it_aborted(srv):
         body = {"model": srv.model_name, "prompt": "Hi", "max_tokens": 400, "ignore_eos": True}
         with pytest.raises(httpx.ReadTimeout), httpx.Client(timeout=0.3) as http:
             http.post(srv.base_url + "/completions", json=body)
-        assert wait_until(lambda: srv.call(pool_state) == CLEAN)
+        assert wait_until(lambda: srv.call(pool_state) == CLEAN, "a clean pool", 5.0)
         assert srv.call(aborted) == before + 1
     finally:
         srv.call(lambda e: unsubscribe())
@@ -410,7 +402,9 @@ def test_engine_loop_generate_streams_coalesces_and_aborts_when_left(llm):
         assert (
             len(final) == 1 and final[0].outputs[0].token_ids == streamed[-1].outputs[0].token_ids
         )
-        assert wait_until(lambda: loop.call(pool_state).result(TIMEOUT) == CLEAN)
+        assert wait_until(
+            lambda: loop.call(pool_state).result(TIMEOUT) == CLEAN, "a clean pool", 5.0
+        )
         assert loop.call(aborted).result(TIMEOUT) == before + 1
     finally:
         loop.stop()

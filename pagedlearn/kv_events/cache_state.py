@@ -303,6 +303,12 @@ class KVCacheState:
             yield block, d
             stack += [(self.blocks[c], d + 1) for c in reversed(list(block.children))]
 
+    def cached_blocks(self) -> dict[int | bytes, tuple]:
+        """The picture as hash -> (parent hash, tokens): the shape of
+        :func:`pagedlearn.kv_events.from_trace.cached_blocks`, an engine's own prefix cache, to
+        compare with. (A hash held in several places -- media, groups, ranks -- appears once.)"""
+        return {k.block_hash: (b.parent_hash, b.token_ids) for k, b in self.blocks.items()}
+
     def leaves_below(self) -> dict[BlockKey, int]:
         """Per block, the leaves of its subtree (a leaf counts itself): how many cached
         continuations share the prefix that ends at it."""

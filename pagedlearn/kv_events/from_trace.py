@@ -162,6 +162,20 @@ class TraceToEvents:
             self._pending.append(BlockRemoved([wire], MEDIUM, group_idx=g))
 
 
+def cached_blocks(kv, hash_format: str = "int") -> dict[int | bytes, tuple]:
+    """The prefix cache of ``kv`` (a KV-cache manager, ``engine.kv``) as its stream names it:
+    wire hash -> (the parent's wire hash, None for a prompt's first block; the block's tokens).
+    A subscriber that applied every batch holds exactly this
+    (:meth:`KVCacheState.cached_blocks <pagedlearn.kv_events.cache_state.KVCacheState>`):
+    chapter 13 and the tests compare the two."""
+    int_hashes = hash_format == "int"
+
+    def wire(digest: bytes) -> int | bytes | None:
+        return None if digest == ROOT_HASH else to_external(digest, int_hashes)
+
+    return {wire(h): (wire(e.parent_hash), tuple(e.token_ids)) for h, e in kv.prefix_cache.items()}
+
+
 def _spec(group) -> tuple[str, int | None]:
     window = getattr(group, "sliding_window", None)
     return ("full_attention", None) if window is None else ("sliding_window", window)
