@@ -7,19 +7,17 @@ import json
 import math
 import os
 import re
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from helpers import import_benchmark
 
 import pagedlearn.loadtest.http as http
 from pagedlearn.loadtest.http_report import JSON_KEYS
 from pagedlearn.loadtest.in_process import LoadTestOptionError
 from pagedlearn.loadtest.mix import MIN_REQUESTS, PHASES
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-from serve_traffic import memory  # a script's folder, not a package: on sys.path above
+memory = import_benchmark("serve_traffic").memory  # a script in benchmarks/, not a package
 
 
 @pytest.fixture(scope="module")
